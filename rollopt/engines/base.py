@@ -1,0 +1,179 @@
+"""The engine interface: one async API with SGLang's semantics, so schedulers behave the same on every engine.
+
+Contract of every engine:
+
+* ``stream(request)`` yields :class:`GenerateChunk` s of newly sampled tokens; the last chunk carries the
+  :class:`GenerateResult`. ``generate(request)`` returns that result. Output tokens, logprobs and versions
+  always share one length: token ``i`` was sampled by weight version ``versions[i]`` and ``logprobs[i]`` is
+  its log-probability under the distribution it was sampled from (the raw softmax for greedy).
+* ``abort(rid)`` ends a request early with ``finish_reason == "abort"``; its result keeps every token sampled
+  so far, so the caller can resume by appending them to ``input_ids``.
+* ``pause("abort")`` aborts everything in flight; ``pause("retract")`` frees running requests' KV and re-queues
+  them (they finish normally after ``resume()``); ``pause("in_place")`` stops decoding and keeps the KV.
+* ``update_weights(...)`` applies between decode steps and returns the new version; requests in flight
+  continue with the new weights and tag their new tokens with it. The prefix cache is invalidated.
+* Bad requests raise :class:`~rollopt.errors.BadRequestError` naming the problem; the engine keeps serving
+  the others. An engine failure mid-request raises :class:`EngineFailure` carrying the partial result.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Literal
+
+from rollopt.errors import BadRequestError, EngineError
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, with SGLang's field names and conventions.
+
+    ``temperature == 0`` is greedy. ``top_k == -1`` and ``top_p == 1`` disable those filters. ``stop`` strings
+    and ``stop_token_ids`` end the request with ``finish_reason == "stop"`` (the stop token is kept in the
+    output, as SGLang does). ``seed`` makes sampling reproducible per request.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def validate(self) -> None:
+        problems = []
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            problems.append(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if problems:
+            raise BadRequestError("invalid sampling params: " + "; ".join(problems))
+
+    def to_sglang(self) -> dict[str, Any]:
+        """SGLang's ``sampling_params`` dict (``sglang/srt/sampling/sampling_params.py`` names)."""
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "ignore_eos": self.ignore_eos,
+        }
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        return out
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request. ``rid`` must be unique among requests in flight (and, for SGLang, never a
+    prefix of another rid). Higher ``priority`` runs first where the engine supports priority."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    matched_stop: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not (len(self.output_ids) == len(self.logprobs) == len(self.versions)):
+            raise ValueError("output_ids, logprobs and versions must share one length")
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """Tokens sampled since the previous chunk; ``result`` is set on the last chunk of a request."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    result: GenerateResult | None = None
+
+
+class EngineFailure(EngineError):
+    """The engine failed while a request was running. ``partial`` holds every token received before the
+    failure (finish reason ``abort``), so the caller can resume without losing or duplicating tokens."""
+
+    def __init__(self, message: str, partial: GenerateResult | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    vocab_size: int
+    max_context: int
+    version: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Engine(abc.ABC):
+    """Base class of inference engines; use as ``async with engine:``."""
+
+    async def __aenter__(self) -> "Engine":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    @abc.abstractmethod
+    def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Yield chunks of new tokens; the last one carries the result."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        async for chunk in self.stream(request):
+            if chunk.result is not None:
+                return chunk.result
+        raise EngineError(f"request {request.rid}: stream ended without a result")
+
+    @abc.abstractmethod
+    async def abort(self, rid: str) -> None: ...
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def update_weights(self, weights: Any) -> int:
+        """Load new weights; return the new version."""
+
+    @abc.abstractmethod
+    async def flush_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    async def health(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def info(self) -> EngineInfo: ...

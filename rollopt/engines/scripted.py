@@ -1,0 +1,105 @@
+"""A scripted engine for unit tests of scheduling logic only: it returns tokens a script chooses, with a
+fixed logprob, after an optional per-token delay. It runs no model; never use it for a performance claim."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+
+from rollopt.engines.base import (
+    Engine, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode,
+)
+
+Script = Callable[[GenerateRequest], list[int]]
+
+
+class ScriptedEngine(Engine):
+    """Emits ``script(request)`` (cut at ``max_new_tokens``), one token per ``token_delay_s``.
+
+    ``abort`` ends a request with the tokens emitted so far; ``pause("abort")`` aborts every request in
+    flight and ``pause("in_place"|"retract")`` holds emission until ``resume()``; ``update_weights`` bumps the
+    version, which tags every later token; ``cached_tokens`` is the longest common prefix with any earlier
+    request.
+    """
+
+    def __init__(self, script: Script, vocab_size: int = 1000, token_delay_s: float = 0.0,
+                 logprob: float = -0.5, eos_token_id: int | None = None) -> None:
+        self.script, self.vocab_size, self.token_delay_s, self.logprob = script, vocab_size, token_delay_s, logprob
+        self.eos_token_id = eos_token_id
+        self.version = 0
+        self.requests: list[GenerateRequest] = []
+        self._aborted: set[str] = set()
+        self._seen: list[tuple[int, ...]] = []
+        self._in_flight: set[str] = set()
+        self._running = anyio.Event()
+        self._running.set()
+
+    def _cached(self, ids: tuple[int, ...]) -> int:
+        best = 0
+        for prev in self._seen:
+            n = 0
+            for a, b in zip(prev, ids[:-1]):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        request.sampling.validate()
+        self.requests.append(request)
+        cached = self._cached(request.input_ids)
+        planned = self.script(request)[: request.sampling.max_new_tokens]
+        out: list[int] = []
+        versions: list[int] = []
+        reason = FinishReason.LENGTH
+        self._in_flight.add(request.rid)
+        for token in planned:
+            await self._running.wait()
+            if request.rid in self._aborted:
+                reason = FinishReason.ABORT
+                break
+            if self.token_delay_s:
+                await anyio.sleep(self.token_delay_s)
+            out.append(token)
+            versions.append(self.version)
+            yield GenerateChunk(request.rid, [token], [self.logprob], [self.version])
+            if token == self.eos_token_id and not request.sampling.ignore_eos:
+                reason = FinishReason.STOP
+                break
+        else:
+            if request.rid in self._aborted:
+                reason = FinishReason.ABORT
+            elif len(out) < request.sampling.max_new_tokens:
+                reason = FinishReason.STOP
+        self._in_flight.discard(request.rid)
+        self._seen.append(tuple(request.input_ids) + tuple(out))
+        result = GenerateResult(request.rid, out, [self.logprob] * len(out), versions, reason,
+                                prompt_tokens=len(request.input_ids), cached_tokens=cached)
+        yield GenerateChunk(request.rid, [], [], [], result=result)
+
+    async def abort(self, rid: str) -> None:
+        self._aborted.add(rid)
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        if mode == "abort":
+            self._aborted |= self._in_flight
+        self._running = anyio.Event()
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    async def update_weights(self, weights: Any) -> int:
+        self.version += 1
+        return self.version
+
+    async def flush_cache(self) -> None:
+        self._seen.clear()
+
+    async def health(self) -> bool:
+        return True
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo("scripted", self.vocab_size, max_context=1 << 20, version=self.version,
+                          eos_token_ids=(self.eos_token_id,) if self.eos_token_id is not None else ())

@@ -1,0 +1,291 @@
+"""The step interface: how a user's environment plugs into rollopt.
+
+An :class:`Environment` generates seeded :class:`Task` s, gives the initial messages of an episode
+(:meth:`Environment.reset`), exposes its tools, and turns one parsed assistant turn plus the results of its
+tool calls into observation messages, a reward and a done flag (:meth:`Environment.step`).
+
+Tools are **not** run inside ``step``: each call is a separate coroutine, :func:`execute_tool_call`, so a
+scheduler can start it the moment its call is complete in the decode stream, run parallel calls at once and
+give each a deadline. ``execute_tool_call`` never raises for a tool's own failure: an unknown tool, bad
+arguments, a crash or a timeout becomes a :class:`~rollopt.trajectory.ToolResult` with a typed ``error``.
+Cancellation of the caller is never swallowed.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import json
+import re
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Literal, Sequence, TypedDict, Union
+
+import anyio
+
+from rollopt.errors import ErrorRecord
+from rollopt.toolcalls import ParsedTurn
+from rollopt.trajectory import ToolCall, ToolResult
+
+
+class Message(TypedDict, total=False):
+    """An OpenAI-style chat message."""
+
+    role: str
+    content: str
+    name: str
+    tool_call_id: str
+    tool_calls: list[dict[str, Any]]
+
+
+# ----------------------------------------------------------------------------------------------- tools
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _json_schema(annotation: Any) -> dict[str, Any]:
+    """JSON schema of a Python annotation (str, int, float, bool, list[...], dict, Literal, Optional)."""
+    origin = typing.get_origin(annotation)
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}
+    if origin is Literal:
+        values = typing.get_args(annotation)
+        return {"type": _JSON_TYPES[type(values[0])], "enum": list(values)}
+    if origin in (list, Sequence, tuple) or annotation is list:
+        args = typing.get_args(annotation)
+        return {"type": "array", "items": _json_schema(args[0])} if args else {"type": "array"}
+    if origin is dict or annotation is dict:
+        return {"type": "object"}
+    if origin in (Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return _json_schema(members[0])
+        return {"anyOf": [_json_schema(m) for m in members]}
+    raise TypeError(f"unsupported tool parameter type {annotation!r}; use str, int, float, bool, list, dict or Literal")
+
+
+def _docstring_parts(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into (description, {arg: description})."""
+    doc = inspect.cleandoc(doc or "")
+    sections = re.split(r"^\s*(Args|Arguments|Parameters|Returns|Raises):\s*$", doc, flags=re.M)
+    description = sections[0].strip()
+    params: dict[str, str] = {}
+    for header, body in zip(sections[1::2], sections[2::2]):
+        if header not in ("Args", "Arguments", "Parameters"):
+            continue
+        current = None
+        for line in body.splitlines():
+            m = re.match(r"^\s*(\w+)\s*(\([^)]*\))?\s*:\s*(.*)$", line)
+            if m:
+                current = m.group(1)
+                params[current] = m.group(3).strip()
+            elif current and line.strip():
+                params[current] += " " + line.strip()
+    return description, params
+
+
+def _check_value(value: Any, schema: dict[str, Any]) -> bool:
+    kind = schema.get("type")
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if "anyOf" in schema:
+        return any(_check_value(value, s) for s in schema["anyOf"])
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "array":
+        return isinstance(value, list) and all(_check_value(v, schema.get("items", {})) for v in value)
+    if kind == "object":
+        return isinstance(value, dict)
+    return True
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A typed Python callable (sync or async) exposed to the model as an OpenAI function tool.
+
+    Attributes:
+        fn: the callable; its return value is sent to the model as text (``str`` as is, else JSON).
+        name, description, parameters: the OpenAI function schema.
+        timeout_s: the deadline of one call.
+        deterministic: the same arguments always give the same result (a scheduler may cache it).
+    """
+
+    fn: Callable[..., Any]
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    timeout_s: float = 30.0
+    deterministic: bool = False
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI tool schema: ``{"type": "function", "function": {...}}``."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, timeout_s: float = 30.0,
+                      deterministic: bool = False) -> "Tool":
+        hints = typing.get_type_hints(fn)
+        description, arg_docs = _docstring_parts(fn.__doc__ or "")
+        properties: dict[str, Any] = {}
+        required: list[str] = []
+        for pname, param in inspect.signature(fn).parameters.items():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"tool {fn.__name__}: *args/**kwargs cannot be described to a model")
+            if pname not in hints:
+                raise TypeError(f"tool {fn.__name__}: parameter {pname!r} needs a type annotation")
+            prop = _json_schema(hints[pname])
+            if pname in arg_docs:
+                prop["description"] = arg_docs[pname]
+            properties[pname] = prop
+            if param.default is param.empty:
+                required.append(pname)
+        if not description:
+            raise TypeError(f"tool {fn.__name__}: give it a docstring; the model reads it as the tool's description")
+        parameters = {"type": "object", "properties": properties, "required": required}
+        return cls(fn=fn, name=name or fn.__name__, description=description, parameters=parameters,
+                   timeout_s=timeout_s, deterministic=deterministic)
+
+    def validate_arguments(self, arguments: dict[str, Any]) -> ErrorRecord | None:
+        """Check arguments against the schema; return a ``bad_arguments`` record naming the problem."""
+        props, required = self.parameters["properties"], self.parameters["required"]
+        missing = [p for p in required if p not in arguments]
+        unknown = [a for a in arguments if a not in props]
+        wrong = [a for a, v in arguments.items() if a in props and not _check_value(v, props[a])]
+        if not (missing or unknown or wrong):
+            return None
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unknown:
+            parts.append(f"unknown {unknown} (expected {sorted(props)})")
+        if wrong:
+            parts.append("wrong type for " + ", ".join(f"{a} (expected {props[a].get('type', props[a])})" for a in wrong))
+        return ErrorRecord("bad_arguments", f"tool {self.name}: " + "; ".join(parts), {"arguments": arguments})
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeout_s: float = 30.0,
+         deterministic: bool = False) -> Any:
+    """Decorator: ``@tool`` or ``@tool(timeout_s=5, deterministic=True)`` turns a typed function into a Tool."""
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return Tool.from_function(f, name=name, timeout_s=timeout_s, deterministic=deterministic)
+    return wrap(fn) if fn is not None else wrap
+
+
+def _render_result(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: float | None = None) -> ToolResult:
+    """Run one tool call to a :class:`ToolResult`; every failure of the tool itself becomes its ``error``.
+
+    A sync tool runs in a worker thread. At its deadline the call returns a ``tool_timeout`` record; a sync
+    tool's thread cannot be killed and finishes in the background (use the sandbox for untrusted code).
+    """
+    started = time.perf_counter()
+    by_name = {t.name: t for t in tools}
+
+    def result(content: str, error: ErrorRecord | None = None) -> ToolResult:
+        return ToolResult(call.id, call.name, content, error, time.perf_counter() - started)
+
+    chosen = by_name.get(call.name)
+    if chosen is None:
+        err = ErrorRecord("unknown_tool", f"no tool named {call.name!r}; available: {sorted(by_name)}")
+        return result(f"Error: {err.message}", err)
+    if (bad := chosen.validate_arguments(call.arguments)) is not None:
+        return result(f"Error: {bad.message}", bad)
+    deadline = chosen.timeout_s if timeout_s is None else timeout_s
+    try:
+        with anyio.fail_after(deadline):
+            if inspect.iscoroutinefunction(chosen.fn):
+                value = await chosen.fn(**call.arguments)
+            else:
+                value = await anyio.to_thread.run_sync(lambda: chosen.fn(**call.arguments), abandon_on_cancel=True)
+    except TimeoutError:
+        err = ErrorRecord("tool_timeout", f"tool {call.name} ran past its {deadline:g}s deadline")
+        return result(f"Error: {err.message}", err)
+    except Exception as exc:  # the tool's own failure is data; cancellation (BaseException) propagates
+        err = ErrorRecord.from_exception("tool_crash", exc, tool=call.name)
+        return result(f"Error: {err.message}", err)
+    return result(_render_result(value))
+
+
+# ------------------------------------------------------------------------------------------ environment
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem: a stable id, the user prompt, the reference answer and free-form info."""
+
+    id: str
+    prompt: str
+    answer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the environment says after one assistant turn."""
+
+    observation: list[Message]
+    done: bool
+    reward: float | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+    """Base class of an environment. Subclasses set ``name``, implement :meth:`tasks`, :meth:`tools` and
+    :meth:`score`, and may override :meth:`reset` and :meth:`step`.
+
+    Contract (checked by :func:`rollopt.testing.check_environment`):
+
+    * ``tasks(n, seed)`` is deterministic in ``seed`` and returns ``n`` tasks with unique ids;
+    * ``reset(task)`` returns at least one message, ending with a user message;
+    * ``step`` never raises for bad model output: malformed calls and failed tools become observations;
+    * a turn with no tool call ends the episode and is scored; so does reaching ``max_turns``.
+    """
+
+    name: ClassVar[str] = ""
+    system_prompt: ClassVar[str | None] = None
+    max_turns: int = 8
+
+    @abc.abstractmethod
+    def tasks(self, n: int, seed: int) -> list[Task]:
+        """``n`` seeded tasks."""
+
+    @abc.abstractmethod
+    def tools(self) -> list[Tool]:
+        """The tools the model may call."""
+
+    @abc.abstractmethod
+    def score(self, task: Task, final_text: str) -> float:
+        """The reward of an episode whose last assistant turn said ``final_text``."""
+
+    def reset(self, task: Task) -> list[Message]:
+        messages: list[Message] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": task.prompt})
+        return messages
+
+    def step(self, task: Task, turn_index: int, parsed: ParsedTurn, results: Sequence[ToolResult]) -> StepOutcome:
+        """Default flow: tool results (and parse errors) go back as ``tool`` messages; a turn without any
+        call, or the last allowed turn, ends the episode with ``score``."""
+        calls_made = parsed.tool_calls or parsed.errors
+        if not calls_made or turn_index + 1 >= self.max_turns:
+            return StepOutcome(observation=[], done=True, reward=self.score(task, parsed.content))
+        observation: list[Message] = [
+            {"role": "tool", "tool_call_id": r.call_id, "name": r.name, "content": r.content} for r in results
+        ]
+        observation += [{"role": "tool", "content": f"Error: {e.message}"} for e in parsed.errors]
+        return StepOutcome(observation=observation, done=False)
+

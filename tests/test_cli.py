@@ -1,0 +1,34 @@
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from rollopt.cli import main
+from rollopt.storage import load_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_lists_the_subcommands():
+    out = subprocess.run([Path(sys.executable).parent / "rollopt", "--help"], capture_output=True, text=True, check=True)
+    for command in ("demo", "rollout"):
+        assert command in out.stdout
+
+
+def test_rollout_command_runs_and_writes_trajectories(tmp_path, capsys):
+    assert main(["rollout", "--model", "tiny", "--tasks", "2", "--group-size", "2", "--max-new-tokens", "8",
+                 "--out", str(tmp_path / "roll")]) == 0
+    printed = capsys.readouterr().out
+    assert "rollout summary" in printed and "calc-0-0.s1" in printed
+    trajs = load_trajectories(tmp_path / "roll")
+    assert len(trajs) == 4 and all(t.num_generated > 0 for t in trajs)
+
+
+def test_wheel_installs_the_mapped_packages(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    [wheel] = tmp_path.glob("rollopt-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in ("rollopt/schedulers/__init__.py", "rollopt/trainer/advantages.py",
+                 "rollopt/environments/calculator.py", "rollopt/engines/local.py"):
+        assert path in names
