@@ -4,10 +4,11 @@ a name to it so configs and the CLI can say ``--env calculator``."""
 from __future__ import annotations
 
 from rollopt.environments.calculator import CalculatorEnv
+from rollopt.environments.synthetic import SyntheticEnv
 from rollopt.errors import ConfigError
 from rollopt.step import Environment
 
-ENVIRONMENTS: dict[str, type[Environment]] = {CalculatorEnv.name: CalculatorEnv}
+ENVIRONMENTS: dict[str, type[Environment]] = {CalculatorEnv.name: CalculatorEnv, SyntheticEnv.name: SyntheticEnv}
 
 
 def build_environment(name: str, **kwargs) -> Environment:
@@ -16,4 +17,4 @@ def build_environment(name: str, **kwargs) -> Environment:
     return ENVIRONMENTS[name](**kwargs)
 
 
-__all__ = ["ENVIRONMENTS", "CalculatorEnv", "build_environment"]
+__all__ = ["ENVIRONMENTS", "CalculatorEnv", "SyntheticEnv", "build_environment"]

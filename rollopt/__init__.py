@@ -17,7 +17,8 @@ from rollopt.engines.base import (
 )
 from rollopt.engines.local import LocalEngine, LocalEngineConfig
 from rollopt.engines.scripted import ScriptedEngine
-from rollopt.episode import EpisodeSpec, run_episode
+from rollopt.executor import EpisodeSpec, RolloutExecutor, RolloutResult, episode_specs, run_rollout
+from rollopt.graph import RolloutGraph
 from rollopt.errors import (
     BadRequestError,
     ConfigError,
@@ -27,7 +28,6 @@ from rollopt.errors import (
     RolloptError,
     ToolError,
 )
-from rollopt.rollout import episode_specs, run_rollout
 from rollopt.step import Environment, Message, StepOutcome, Task, Tool, execute_tool_call, tool
 from rollopt.storage import load_trajectories, save_trajectories
 from rollopt.toolcalls import ParsedTurn, ToolCallStream, parse_tool_calls
@@ -57,6 +57,9 @@ __all__ = [
     "Message",
     "ParsedTurn",
     "RolloptError",
+    "RolloutExecutor",
+    "RolloutGraph",
+    "RolloutResult",
     "SamplingParams",
     "ScriptedEngine",
     "Status",
@@ -77,7 +80,6 @@ __all__ = [
     "execute_tool_call",
     "load_trajectories",
     "parse_tool_calls",
-    "run_episode",
     "run_rollout",
     "save_trajectories",
     "tool",

@@ -19,6 +19,7 @@ def _rollout_args(p: argparse.ArgumentParser, *, model: str, tasks: int, group: 
     p.add_argument("--max-new-tokens", type=int, default=96, help="per turn")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0, help="fixes tasks and every request's sampling seed")
+    p.add_argument("--scheduler", default="overlap+prefix", help="scheduling policy, e.g. sync, overlap+prefix")
     p.add_argument("--out", type=Path, default=None, help="write trajectories (OUT.jsonl + OUT.npz)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
 
@@ -32,7 +33,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     from rollopt.engines.local import LocalEngine, LocalEngineConfig
     from rollopt.environments import build_environment
     from rollopt.modeling import load_model
-    from rollopt.rollout import episode_specs, run_rollout
+    from rollopt.executor import episode_specs, run_rollout
     from rollopt.storage import save_trajectories
 
     console = Console()
@@ -49,7 +50,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     async def go():
         async with engine:
             started = time.perf_counter()
-            trajs = await run_rollout(env, engine, renderer, specs)
+            trajs = await run_rollout(env, engine, renderer, specs, args.scheduler)
             return trajs, time.perf_counter() - started
 
     console.print(f"[bold]{env.name}[/] on the embedded engine with {model.name}: "

@@ -257,6 +257,8 @@ class Environment(abc.ABC):
     name: ClassVar[str] = ""
     system_prompt: ClassVar[str | None] = None
     max_turns: int = 8
+    end_on_truncated_turn: ClassVar[bool] = True
+    """A turn cut by ``max_new_tokens`` ends the episode as truncated (set False to let ``step`` decide)."""
 
     @abc.abstractmethod
     def tasks(self, n: int, seed: int) -> list[Task]:
@@ -276,6 +278,15 @@ class Environment(abc.ABC):
             messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": task.prompt})
         return messages
+
+    def turn_sampling(self, task: Task, turn_index: int, sampling: Any) -> Any:
+        """The sampling params of one turn (default: the episode's, unchanged)."""
+        return sampling
+
+    def calls_for_turn(self, task: Task, turn_index: int, parsed: ParsedTurn) -> list[ToolCall]:
+        """The tool calls to run after a turn (default: the ones the model wrote). Synthetic workloads use
+        this to attach planned calls; the executor schedules them like any other call."""
+        return parsed.tool_calls
 
     def step(self, task: Task, turn_index: int, parsed: ParsedTurn, results: Sequence[ToolResult]) -> StepOutcome:
         """Default flow: tool results (and parse errors) go back as ``tool`` messages; a turn without any

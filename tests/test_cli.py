@@ -1,3 +1,4 @@
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -25,10 +26,19 @@ def test_rollout_command_runs_and_writes_trajectories(tmp_path, capsys):
 
 
 def test_wheel_installs_the_mapped_packages(tmp_path):
+    src = tmp_path / "src"  # build from a copy: setuptools writes build/ into the source tree
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "runs",
+                                                             "results", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+                    str(tmp_path), str(src)], check=True, capture_output=True)
     [wheel] = tmp_path.glob("rollopt-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("rollopt/schedulers/__init__.py", "rollopt/trainer/advantages.py",
                  "rollopt/environments/calculator.py", "rollopt/engines/local.py"):
         assert path in names
+
+
+def test_editable_install_imports_from_any_directory(tmp_path):
+    code = "import rollopt, rollopt.schedulers, rollopt.trainer, rollopt.environments; print(rollopt.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("rollopt/__init__.py")

@@ -14,7 +14,7 @@ SAMPLING = SamplingParams(max_new_tokens=200, temperature=0)
 def scripted_turns(renderer, turns):
     """A script that answers turn k with ``turns[k]`` (text), ending each turn with end-of-turn."""
     def script(request):
-        k = int(request.rid.rsplit(".t", 1)[1])
+        k = int(request.rid.rsplit(".t", 1)[1].split(".")[0])
         return renderer.encode(turns[min(k, len(turns) - 1)]) + [renderer.end_of_turn_id]
     return script
 
@@ -64,15 +64,22 @@ async def test_malformed_call_is_recorded_and_episode_continues(tokenizer):
 
 
 class FailingEngine(ScriptedEngine):
-    """Fails the second turn after 3 tokens, handing back the partial result, as a dying server would."""
+    """Fails the second turn after streaming 2 tokens; the failure's partial result holds 3 (a token the
+    client received but had not yet yielded), as a dying server would."""
 
-    async def generate(self, request):
-        result = await super().generate(request)
-        if request.rid.endswith(".t1"):
-            partial = GenerateResult(request.rid, result.output_ids[:3], result.logprobs[:3], result.versions[:3],
-                                     FinishReason.ABORT, result.prompt_tokens, 0)
-            raise EngineFailure("connection reset", partial=partial)
-        return result
+    async def stream(self, request):
+        if ".t1." not in request.rid:
+            async for chunk in super().stream(request):
+                yield chunk
+            return
+        out = []
+        async for chunk in super().stream(request):
+            if len(out) == 2:
+                partial = GenerateResult(request.rid, out + chunk.token_ids, [-0.5] * 3, [0] * 3,
+                                         FinishReason.ABORT, len(request.input_ids), 0)
+                raise EngineFailure("connection reset", partial=partial)
+            out += chunk.token_ids
+            yield chunk
 
 
 async def test_engine_failure_keeps_tokens_and_fails_only_that_trajectory(tokenizer):
@@ -81,7 +88,7 @@ async def test_engine_failure_keeps_tokens_and_fails_only_that_trajectory(tokeni
     renderer = ChatRenderer(tokenizer)
     engine = FailingEngine(scripted_turns(renderer, [call("2 * 3"), "<answer>6</answer>"]),
                            eos_token_id=renderer.end_of_turn_id)
-    trajs = await run_rollout(env, engine, renderer, episode_specs(tasks, 2, SAMPLING, seed=0))
+    trajs = await run_rollout(env, engine, renderer, episode_specs(tasks, 2, SAMPLING, seed=0), "overlap")
     assert len(trajs) == 4  # nothing dropped
     for traj in trajs:
         assert traj.status is Status.FAILED and traj.error.kind == "engine"

@@ -221,7 +221,7 @@ async def test_stop_tokens_stop_strings_and_seeded_sampling(tokenizer, peaked_mo
     (GenerateRequest("t", (1, 2), SamplingParams(temperature=-1)), "temperature"),
     (GenerateRequest("p", (1, 2), SamplingParams(top_p=0)), "top_p"),
     (GenerateRequest("k", (1, 2), SamplingParams(top_k=0)), "top_k"),
-    (GenerateRequest("m", (1, 2), SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+    (GenerateRequest("m", (1, 2), SamplingParams(max_new_tokens=-1)), "max_new_tokens"),
 ])
 async def test_bad_requests_get_typed_errors_and_the_engine_keeps_serving(peaked_model, request_, words):
     async with engine(peaked_model) as eng:

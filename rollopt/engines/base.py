@@ -39,6 +39,7 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """Per-request sampling, with SGLang's field names and conventions.
 
+    ``max_new_tokens == 0`` only prefills the prompt (it lands in the prefix cache; nothing is sampled).
     ``temperature == 0`` is greedy. ``top_k == -1`` and ``top_p == 1`` disable those filters. ``stop`` strings
     and ``stop_token_ids`` end the request with ``finish_reason == "stop"`` (the stop token is kept in the
     output, as SGLang does). ``seed`` makes sampling reproducible per request.
@@ -55,8 +56,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         problems = []
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            problems.append(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             problems.append(f"temperature must be >= 0, got {self.temperature!r}")
         if not (0 < self.top_p <= 1):

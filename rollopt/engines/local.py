@@ -70,6 +70,8 @@ class LocalEngineConfig:
             decode steps (fixed-size matmul tiles, per-row attention; see rollopt.modeling.llama). Off is
             faster for tiny models; R1 token parity between schedulers relies on it being on.
         seed: seeds requests that give no seed of their own (request n gets ``seed + n``).
+        defer_shared_prefill: admit a request whose first block matches a request still prefilling only
+            after that prefill, so it reuses the KV (like SGLang's in-batch prefix caching).
     """
 
     max_running: int = 32
@@ -81,6 +83,7 @@ class LocalEngineConfig:
     dtype: str = "float32"
     batch_invariant: bool = True
     seed: int = 0
+    defer_shared_prefill: bool = True
 
     def torch_dtype(self) -> torch.dtype:
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -142,14 +145,20 @@ class _Request:
 
 @dataclass
 class EngineStats:
-    """Counters since start. ``prefill_tokens`` counts computed prompt tokens (cache hits excluded)."""
+    """Counters since start. ``prefill_tokens`` counts computed prompt tokens (cache hits excluded);
+    ``sampled_tokens`` counts every sampled token, ``decode_tokens`` those sampled by decode steps (a
+    request's first token comes from its prefill);
+    ``prefill_s`` / ``decode_s`` are the time spent in each phase of the ticks."""
 
     ticks: int = 0
     prefill_tokens: int = 0
     cached_tokens: int = 0
+    sampled_tokens: int = 0
     decode_tokens: int = 0
     decode_steps: int = 0
     busy_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
     requests_finished: int = 0
     requests_aborted: int = 0
     retractions: int = 0
@@ -370,8 +379,12 @@ class LocalEngine(Engine):
     # ------------------------------------------------------------------------------------------ tick
     def _tick(self) -> None:
         self._admit()
+        started = time.perf_counter()
         self._prefill()
+        middle = time.perf_counter()
         self._decode()
+        self.stats.prefill_s += middle - started
+        self.stats.decode_s += time.perf_counter() - middle
 
     def _shares_block_with_prefill(self, r: _Request) -> bool:
         """True if ``r``'s first block equals that of a request still prefilling: admitting ``r`` after that
@@ -386,7 +399,8 @@ class LocalEngine(Engine):
         for r in list(self._waiting):
             if None not in self._slots:
                 break
-            if self.prefix_cache.capacity_blocks and self._shares_block_with_prefill(r):
+            if (self.engine_config.defer_shared_prefill and self.prefix_cache.capacity_blocks
+                    and self._shares_block_with_prefill(r)):
                 continue
             self._waiting.remove(r)
             r.slot = self._slots.index(None)
@@ -415,7 +429,8 @@ class LocalEngine(Engine):
             if r.filled == len(seq):
                 self.prefix_cache.insert(seq, r.filled, lambda a, b, s=r.slot: self.kv.read(s, a, b))
                 r.state = _State.DECODE
-                self._sample(r, logits)
+                if r.req.sampling.max_new_tokens > 0:
+                    self._sample(r, logits)
 
     def _decode(self) -> None:
         rows = [s for s in self._slots if s is not None and s.state is _State.DECODE and not self._is_done(s)]
@@ -431,6 +446,7 @@ class LocalEngine(Engine):
             active[r.slot] = True
         logits = self.model.decode(self.kv, tokens, positions, active)
         self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(rows)
         for r in rows:
             r.filled += 1
             self._sample(r, logits[r.slot])
@@ -440,7 +456,7 @@ class LocalEngine(Engine):
         r.output_ids.append(token)
         r.logprobs.append(logprob)
         r.versions.append(self.version)
-        self.stats.decode_tokens += 1
+        self.stats.sampled_tokens += 1
 
     def _stop_reason(self, r: _Request) -> tuple[FinishReason, int | str | None] | None:
         sp, last = r.req.sampling, r.output_ids[-1] if r.output_ids else None

@@ -1,0 +1,468 @@
+"""The executor: runs a batch of episodes against an engine under a scheduling policy, and does all the I/O.
+
+Each trajectory is one task in an anyio task group, driven through the stages GATE → GENERATE → TOOLS →
+(GATE of the next turn | DONE). At each GATE it waits until the policy's ``may_generate`` says go; every
+state change re-evaluates the gates and the policy's ``preempt``. The policy itself (``rollopt.schedulers``)
+is pure decision logic.
+
+Guarantees (tests check each):
+
+* **Every token is kept exactly once.** Streamed tokens are buffered and appended to the trajectory when the
+  request ends, however it ends (finished, aborted, failed, cancelled). A preempted turn resumes with the
+  trajectory's tokens as the prompt and the remaining ``max_new_tokens``; an abort the policy did not ask
+  for (e.g. the engine paused for a weight update) is resumed at once.
+* **Failures are data.** An engine failure fails only its trajectory (with its partial tokens); an
+  environment that raises fails only its trajectory; tool failures are typed records in the turn.
+* **Carry-over is bounded.** Preempted trajectories wait in ``carry_over`` and resume first in the next
+  ``run``; their ``carry_age`` grows each time, and the preempt policy exempts any at its ``max_carry_age``.
+* **Every dispatched step is one graph node** with start/end times (``RolloutResult.graph``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import anyio
+
+from rollopt.chat import ChatRenderer
+from rollopt.engines.base import Engine, EngineFailure, FinishReason, GenerateRequest, SamplingParams
+from rollopt.errors import EngineError, ErrorRecord
+from rollopt.graph import RolloutGraph
+from rollopt.schedulers import Policy, RolloutView, Stage, TrajectoryView, build_scheduler
+from rollopt.step import Environment, Task, execute_tool_call
+from rollopt.toolcalls import ParsedTurn, ToolCallStream
+from rollopt.trajectory import Status, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
+
+MAX_RESUBMITS = 8
+"""How many unrequested aborts (engine pauses) one turn survives before its trajectory ends as aborted."""
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode to run. ``fork_after_turn``/``fork_branches``: after that turn's observation the
+    trajectory branches into ``fork_branches`` trajectories sharing its tokens (itself plus clones)."""
+
+    task: Task
+    trajectory_id: str
+    group_id: str
+    sampling: SamplingParams
+    fork_after_turn: int | None = None
+    fork_branches: int = 1
+
+
+def episode_specs(tasks: Sequence[Task], group_size: int, sampling: SamplingParams, seed: int,
+                  **fork: int) -> list[EpisodeSpec]:
+    """One spec per (task, sample); sample ``j`` of task ``i`` gets sampling seed ``seed·10⁶ + i·G + j``, so a
+    seed fixes every request's sampling."""
+    return [EpisodeSpec(task=task, trajectory_id=f"{task.id}.s{j}", group_id=task.id,
+                        sampling=replace(sampling, seed=seed * 1_000_000 + i * group_size + j), **fork)
+            for i, task in enumerate(tasks) for j in range(group_size)]
+
+
+@dataclass(eq=False)
+class TrajectoryRun:
+    """The executor's mutable state of one trajectory (also what is carried over between batches)."""
+
+    spec: EpisodeSpec
+    traj: Trajectory
+    turn: int = 0
+    stage: Stage = Stage.GATE
+    carry_age: int = 0
+    turn_start: int | None = None  # offset of the current turn's first generated token, while it is open
+    segments: int = 0  # engine requests used by the current turn
+    pending: ParsedTurn | None = None  # a decoded turn whose tools still have to run
+    preempt_requested: bool = False
+    suspended: bool = False  # preempted in this batch, waiting in the carry-over buffer
+    rid: str | None = None
+    last_node: str | None = None
+    tool_scopes: list[anyio.CancelScope] = field(default_factory=list)
+    early_tools: dict[str, "_ToolSlot"] = field(default_factory=dict)  # started while the turn decoded
+
+    @property
+    def id(self) -> str:
+        return self.traj.id
+
+    def view(self) -> TrajectoryView:
+        stage = Stage.PREEMPTED if self.suspended else self.stage
+        return TrajectoryView(self.id, self.traj.group_id, self.turn, stage, self.traj.num_generated, self.carry_age)
+
+
+@dataclass(eq=False)
+class _ToolSlot:
+    call: ToolCall
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: ToolResult | None = None
+
+
+@dataclass
+class RolloutResult:
+    trajectories: list[Trajectory]  # every trajectory of the returned (complete) groups
+    graph: RolloutGraph
+    wall_s: float
+    carried_over: int  # trajectories left in the executor's carry-over buffer
+    preempted: int  # trajectories preempted in this batch
+    tokens_streamed: int  # generated tokens received from the engine in this batch
+
+
+class RolloutExecutor:
+    """Runs batches of episodes; keeps the carry-over buffer between batches."""
+
+    def __init__(self, env: Environment, engine: Engine, renderer: ChatRenderer, policy: Policy | str = "overlap",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.env, self.engine, self.renderer = env, engine, renderer
+        self.policy = build_scheduler(policy) if isinstance(policy, str) else policy
+        self.clock = clock
+        self.carry_over: list[TrajectoryRun] = []
+        self._tools = env.tools()
+        self._tool_schemas = [t.schema for t in self._tools]
+
+    # ------------------------------------------------------------------------------------------ batch
+    async def run(self, specs: Sequence[EpisodeSpec], target_groups: int | None = None) -> RolloutResult:
+        """Run carried-over trajectories and ``specs``; return once ``target_groups`` groups (default: all)
+        are complete and every other trajectory is done or preempted."""
+        self._graph, self._t0 = RolloutGraph(), self.clock()
+        self._target = target_groups
+        self._max_context = (await self.engine.info()).max_context
+        self._changed = anyio.Event()
+        self._prefills: dict[tuple, anyio.Event] = {}
+        self._streamed, self._preempted = 0, 0
+        carried, self.carry_over = self.carry_over, []
+        for run in carried:
+            run.carry_age += 1
+            run.preempt_requested = run.suspended = False
+            run.last_node = self._graph.add("prompt", run.id, start=self._now(), resumed=True)
+            self._graph.finish(run.last_node, self._now())
+        self._runs = carried + [self._start(spec) for spec in specs]
+        self._completion_order: list[str] = []
+        async with anyio.create_task_group() as self._tg:
+            for run in list(self._runs):
+                self._tg.start_soon(self._drive, run)
+        return self._collect()
+
+    def _collect(self) -> RolloutResult:
+        groups: dict[str, list[TrajectoryRun]] = {}
+        for run in self._runs:
+            groups.setdefault(run.traj.group_id, []).append(run)
+        complete = [g for g in self._completion_order if all(r.stage is Stage.DONE for r in groups[g])]
+        returned = complete if self._target is None else complete[: self._target]
+        out = [r.traj for g in returned for r in groups[g]]
+        self.carry_over = [r for g, members in groups.items() if g not in returned for r in members]
+        return RolloutResult(out, self._graph, self._now(), len(self.carry_over), self._preempted, self._streamed)
+
+    def _start(self, spec: EpisodeSpec) -> TrajectoryRun:
+        prompt = self.renderer.prompt(self.env.reset(spec.task), self._tool_schemas)
+        traj = Trajectory.start(spec.trajectory_id, spec.task.id, spec.group_id, prompt)
+        run = TrajectoryRun(spec=spec, traj=traj)
+        run.last_node = self._graph.add("prompt", run.id, start=self._now(), tokens=len(prompt))
+        self._graph.finish(run.last_node, self._now())
+        return run
+
+    def _now(self) -> float:
+        return self.clock() - self._t0
+
+    # ------------------------------------------------------------------------------------------ state
+    def view(self) -> RolloutView:
+        return RolloutView(tuple(r.view() for r in self._runs), self._target, self._now())
+
+    def _notify(self) -> None:
+        """A stage changed: wake the gates and let the policy preempt."""
+        self._changed.set()
+        self._changed = anyio.Event()
+        for tid in self.policy.preempt(self.view()):
+            run = next(r for r in self._runs if r.id == tid)
+            if run.preempt_requested or run.stage is Stage.DONE:
+                continue
+            run.preempt_requested = True
+            if run.rid is not None:
+                self._tg.start_soon(self.engine.abort, run.rid)
+            for scope in run.tool_scopes:
+                scope.cancel()
+
+    async def _wait_until(self, run: TrajectoryRun, gate: Callable[[RolloutView, str], bool]) -> None:
+        """Wait until ``gate`` opens for ``run`` (re-checked on every state change) or it is preempted."""
+        while not (run.preempt_requested or gate(self.view(), run.id)):
+            await self._changed.wait()
+
+    def _set_stage(self, run: TrajectoryRun, stage: Stage) -> None:
+        run.stage = stage
+        if stage is Stage.DONE and run.traj.group_id not in self._completion_order:
+            if all(r.stage is Stage.DONE for r in self._runs if r.traj.group_id == run.traj.group_id):
+                self._completion_order.append(run.traj.group_id)
+        self._notify()
+
+    # ------------------------------------------------------------------------------------------ driver
+    async def _drive(self, run: TrajectoryRun) -> None:
+        while run.stage is not Stage.DONE:
+            if run.stage is Stage.GATE:
+                self._set_stage(run, Stage.GATE)
+                await self._wait_until(run, self.policy.may_generate)
+                if run.preempt_requested:
+                    return self._suspend(run)
+                await self._shared_prefill(run)
+                self._set_stage(run, Stage.GENERATE)
+            if run.stage is Stage.GENERATE:
+                if not await self._generate(run):
+                    return self._suspend(run)
+            if run.stage is Stage.TOOLS:
+                if not await self._tools_and_step(run):
+                    return self._suspend(run)
+
+    def _suspend(self, run: TrajectoryRun) -> None:
+        self._preempted += 1
+        run.suspended = True
+        run.rid = None
+        run.early_tools.clear()
+        self._notify()
+
+    def _end(self, run: TrajectoryRun, status: Status, error: ErrorRecord | None = None) -> None:
+        run.traj.finish(status, error)
+        node = self._graph.add("reward", run.id, after=run.last_node, start=self._now(), reward=run.traj.reward)
+        self._graph.finish(node, self._now(), status=status.value)
+        run.turn_start = None
+        self._set_stage(run, Stage.DONE)
+
+    async def _shared_prefill(self, run: TrajectoryRun) -> None:
+        """``shared_prefill`` policies: the first member of a group (or fork) to reach its first turn prefills
+        the shared prefix once; the others wait for it, then find it in the prefix cache."""
+        key = self._prefix_key(run)
+        if not self.policy.shared_prefill or run.turn_start is not None or key is None:
+            return
+        if sum(self._prefix_key(r) == key for r in self._runs) < 2:
+            return
+        if key in self._prefills:
+            await self._prefills[key].wait()
+            return
+        done = self._prefills[key] = anyio.Event()
+        node = self._graph.add("prefill", run.id, after=run.last_node, start=self._now(), tokens=len(run.traj))
+        try:
+            result = await self.engine.generate(GenerateRequest(f"{run.id}.prefill{run.turn}",
+                                                                tuple(int(t) for t in run.traj.token_ids),
+                                                                SamplingParams(max_new_tokens=0)))
+            self._graph.finish(node, self._now(), cached_tokens=result.cached_tokens)
+        except EngineError as exc:  # only an optimization failed: the children prefill themselves
+            self._graph.finish(node, self._now(), status="error", error=str(exc))
+        finally:
+            done.set()
+
+    @staticmethod
+    def _prefix_key(run: TrajectoryRun) -> tuple | None:
+        """What ``run``'s next turn shares with others: its group's prompt (turn 0) or its fork point."""
+        if run.turn == 0:
+            return ("prompt", run.traj.group_id)
+        fork = run.traj.metadata.get("fork_point")
+        return ("fork", fork) if fork is not None and fork[1] == run.turn - 1 else None
+
+    async def _generate(self, run: TrajectoryRun) -> bool:
+        """Decode (or resume) the current turn. Returns False if the trajectory was preempted."""
+        traj = run.traj
+        sampling = self.env.turn_sampling(run.spec.task, run.turn, run.spec.sampling)
+        if run.turn_start is None:
+            run.turn_start, run.segments = len(traj), 0
+        run.suspended = False
+        parser = ToolCallStream(id_prefix=f"{run.id}.t{run.turn}.c") if self.policy.early_tool_start else None
+        fed = 0
+        already = len(traj) - run.turn_start
+        room = min(sampling.max_new_tokens - already, self._max_context - len(traj))
+        if room < 1:
+            return self._close_turn(run, FinishReason.LENGTH)
+        while True:
+            seed = None if sampling.seed is None else sampling.seed + 7919 * run.turn + 104729 * run.segments
+            request = GenerateRequest(f"{traj.id}.t{run.turn}.r{run.segments}", tuple(int(t) for t in traj.token_ids),
+                                      replace(sampling, max_new_tokens=room, seed=seed),
+                                      priority=self.policy.priority(self.view(), run.id))
+            run.segments += 1
+            run.rid = request.rid
+            node = self._graph.add("generate", run.id, after=run.last_node, start=self._now(), turn=run.turn,
+                                   segment=run.segments - 1, prompt_tokens=len(request.input_ids))
+            ids: list[int] = []
+            lps: list[float] = []
+            vers: list[int] = []
+            result, failure = None, None
+            try:
+                async for chunk in self.engine.stream(request):
+                    ids += chunk.token_ids
+                    lps += chunk.logprobs
+                    vers += chunk.versions
+                    if chunk.result is not None:
+                        result = chunk.result
+                    if parser is not None and chunk.token_ids:
+                        fed = self._start_early_tools(run, parser, fed, traj.token_ids[run.turn_start:].tolist() + ids)
+            except EngineError as exc:
+                failure = exc
+            finally:
+                self._streamed += len(ids)
+                if ids:  # every streamed token is kept, however the request ended
+                    traj.append(TokenSpan.generated(ids, lps, vers))
+                run.rid = None
+            if failure is not None:
+                self._graph.finish(node, self._now(), status="error", tokens=len(ids))
+                return self._fail_engine(run, failure, streamed=len(ids))
+            assert result is not None
+            self._graph.finish(node, self._now(), status=result.finish_reason.value, tokens=len(ids),
+                               cached_tokens=result.cached_tokens)
+            run.last_node = node
+            if result.finish_reason is not FinishReason.ABORT:
+                return self._close_turn(run, result.finish_reason)
+            if run.preempt_requested:
+                return False
+            if run.segments > MAX_RESUBMITS:
+                self._close_turn(run, FinishReason.ABORT)
+                return True
+            room -= len(ids)  # an abort we did not ask for (engine paused): resume at once
+
+    def _start_early_tools(self, run: TrajectoryRun, parser: ToolCallStream, fed: int, turn_ids: list[int]) -> int:
+        """Feed the turn's text so far to the parser; start each call whose closing tag just appeared."""
+        text = self.renderer.decode(turn_ids)
+        if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
+            text = text[:-1]
+        for item in parser.feed(text[fed:]):
+            if isinstance(item, ToolCall) and item.id not in run.early_tools:
+                slot = run.early_tools[item.id] = _ToolSlot(item)
+                self._tg.start_soon(self._early_tool, run, slot)
+        return len(text)
+
+    async def _early_tool(self, run: TrajectoryRun, slot: _ToolSlot) -> None:
+        try:
+            with anyio.CancelScope() as scope:
+                run.tool_scopes.append(scope)
+                slot.result = await self._execute(run, slot.call)
+        finally:
+            slot.done.set()
+
+    async def _execute(self, run: TrajectoryRun, call: ToolCall) -> ToolResult:
+        node = self._graph.add("tool", run.id, after=run.last_node, start=self._now(), tool=call.name)
+        try:
+            result = await execute_tool_call(self._tools, call)
+        except BaseException:
+            self._graph.finish(node, self._now(), status="cancelled")
+            raise
+        self._graph.finish(node, self._now(), status="ok" if result.ok else "error",
+                           error=result.error.kind if result.error else "")
+        return result
+
+    def _fail_engine(self, run: TrajectoryRun, exc: EngineError, streamed: int) -> bool:
+        """Fail the trajectory, keeping its tokens. The ``streamed`` tokens of the failed request are already
+        appended; an :class:`EngineFailure`'s ``partial`` holds the request's whole output, so only tokens
+        beyond ``streamed`` are added (none are duplicated)."""
+        partial = exc.partial if isinstance(exc, EngineFailure) else None
+        if partial is not None and len(partial.output_ids) > streamed:
+            extra = slice(streamed, len(partial.output_ids))
+            run.traj.append(TokenSpan.generated(partial.output_ids[extra], partial.logprobs[extra],
+                                                partial.versions[extra]))
+        self._record_turn(run, "abort")
+        self._end(run, Status.FAILED, ErrorRecord.from_exception("engine", exc, turn=run.turn))
+        return True
+
+    def _record_turn(self, run: TrajectoryRun, finish_reason: str) -> ParsedTurn:
+        start = run.turn_start if run.turn_start is not None else len(run.traj)
+        ids = run.traj.token_ids[start:].tolist()
+        stream = ToolCallStream(id_prefix=f"{run.id}.t{run.turn}.c")
+        stream.feed(self.renderer.decode(ids))
+        parsed = stream.close()
+        run.traj.turns.append(Turn(index=run.turn, gen_start=start, gen_end=len(run.traj), finish_reason=finish_reason,
+                                   text=parsed.content, tool_calls=parsed.tool_calls, parse_errors=parsed.errors))
+        return parsed
+
+    def _close_turn(self, run: TrajectoryRun, reason: FinishReason) -> bool:
+        parsed = self._record_turn(run, reason.value)
+        if reason is FinishReason.ABORT:
+            self._end(run, Status.ABORTED)
+        elif reason is FinishReason.LENGTH and (self.env.end_on_truncated_turn or len(run.traj) >= self._max_context):
+            # a turn cut by max_new_tokens (unless the environment decides) or by the context ends the episode
+            run.traj.reward = self.env.score(run.spec.task, parsed.content)
+            self._end(run, Status.TRUNCATED)
+        else:
+            run.pending = parsed
+            self._set_stage(run, Stage.TOOLS)
+        return True
+
+    async def _run_tools(self, run: TrajectoryRun, calls: list[ToolCall]) -> list[ToolResult]:
+        """Every call of the turn, concurrently; calls started early are awaited, not run twice."""
+        results: dict[str, ToolResult] = {}
+
+        async def one(call: ToolCall) -> None:
+            slot = run.early_tools.get(call.id)
+            if slot is not None and slot.call == call:
+                await slot.done.wait()
+                if slot.result is not None:
+                    results[call.id] = slot.result
+                    return
+            results[call.id] = await self._execute(run, call)
+
+        with anyio.CancelScope() as scope:
+            run.tool_scopes.append(scope)
+            async with anyio.create_task_group() as tg:
+                for call in calls:
+                    tg.start_soon(one, call)
+        run.tool_scopes.clear()
+        run.early_tools.clear()
+        if scope.cancelled_caught:
+            return []
+        return [results[c.id] for c in calls]
+
+    async def _tools_and_step(self, run: TrajectoryRun) -> bool:
+        """Run the decoded turn's tools, then the environment's step. Returns False if preempted."""
+        parsed, turn = run.pending, run.traj.turns[-1]
+        assert parsed is not None
+        await self._wait_until(run, self.policy.may_run_tools)
+        if run.preempt_requested:
+            return False
+        calls = self.env.calls_for_turn(run.spec.task, run.turn, parsed)
+        turn.tool_calls = list(calls)
+        results = await self._run_tools(run, calls)
+        if run.preempt_requested:
+            return False  # the turn's tokens stay; its tools run again when it resumes
+        turn.tool_results = results
+        try:
+            outcome = self.env.step(run.spec.task, run.turn, parsed, results)
+        except Exception as exc:  # the environment broke its contract: this episode fails, its tokens stay
+            self._end(run, Status.FAILED, ErrorRecord.from_exception("env", exc, turn=run.turn))
+            return True
+        run.pending, run.turn_start = None, None
+        if outcome.done:
+            run.traj.reward = outcome.reward
+            run.traj.reward_components = dict(outcome.reward_components)
+            self._end(run, Status.COMPLETED)
+            return True
+        last = int(run.traj.token_ids[-1])
+        obs = self.renderer.observation(outcome.observation, last)
+        turn.obs_start, turn.obs_end = run.traj.append(TokenSpan.observation(obs))
+        node = self._graph.add("observe", run.id, after=run.last_node, start=self._now(), tokens=len(obs))
+        self._graph.finish(node, self._now())
+        run.last_node = node
+        if run.spec.fork_after_turn == run.turn and run.spec.fork_branches > 1:
+            self._fork(run)
+        run.turn += 1
+        if run.turn >= self.env.max_turns:
+            self._end(run, Status.TRUNCATED)
+            return True
+        self._set_stage(run, Stage.GATE)
+        return True
+
+    def _fork(self, run: TrajectoryRun) -> None:
+        """Branch after this turn: the trajectory continues as branch 0; clones 1..m-1 share its tokens."""
+        run.traj.metadata["fork_point"] = (run.id, run.turn)
+        children = []
+        for j in range(1, run.spec.fork_branches):
+            traj = copy.deepcopy(run.traj)
+            traj.id = f"{run.id}.b{j}"
+            seed = None if run.spec.sampling.seed is None else run.spec.sampling.seed + 1_000_003 * j
+            spec = replace(run.spec, trajectory_id=traj.id, sampling=replace(run.spec.sampling, seed=seed),
+                           fork_after_turn=None)
+            children.append(TrajectoryRun(spec=spec, traj=traj, turn=run.turn + 1))
+        for child, node in zip(children, self._graph.fork(run.last_node, [c.id for c in children], self._now())):
+            child.last_node = node
+            self._runs.append(child)
+            self._tg.start_soon(self._drive, child)
+
+
+async def run_rollout(env: Environment, engine: Engine, renderer: ChatRenderer, specs: Sequence[EpisodeSpec],
+                      scheduler: Policy | str = "overlap") -> list[Trajectory]:
+    """Run ``specs`` to completion under ``scheduler``; trajectories come back in ``specs`` order (plus forks)."""
+    result = await RolloutExecutor(env, engine, renderer, scheduler).run(specs)
+    order = {s.trajectory_id: i for i, s in enumerate(specs)}
+    return sorted(result.trajectories, key=lambda t: (order.get(t.id.split(".b")[0], len(order)), t.id))
+

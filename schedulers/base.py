@@ -1,0 +1,137 @@
+"""The policy interface: pure decision logic over a snapshot of the rollout.
+
+A policy owns no tasks, clients or clocks. The executor (``rollopt.executor``) calls it with a
+:class:`RolloutView` whenever the rollout's state changes and carries out what it decides:
+
+* ``may_generate(view, tid)``: may trajectory ``tid`` start its next turn now? (a barrier says no until
+  every live trajectory has reached the same point);
+* ``may_run_tools(view, tid)``: may trajectory ``tid`` run the tool calls of the turn it just decoded?
+* ``early_tool_start``: start each tool call as soon as its closing tag appears in the decode stream;
+* ``shared_prefill``: prefill a shared prefix (a GRPO group's prompt, a tree fork point) once before the
+  children that share it start;
+* ``priority(view, tid)``: engine priority of the trajectory's next request (higher runs first);
+* ``preempt(view)``: which running trajectories to abort now; they keep every token and are carried over.
+
+Every policy declares its :class:`RiskClass`; a policy without one cannot be registered.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+class RiskClass(str, enum.Enum):
+    """How a scheduling optimization may change learning semantics (DESIGN invariant 4)."""
+
+    R1 = "R1"
+    """Token parity: greedy output is token-identical to the synchronous baseline."""
+    R2 = "R2"
+    """Distribution-preserving: sampled trajectories have the baseline's distribution."""
+    R3 = "R3"
+    """Off-policy: tokens may come from older weight versions; the trainer must correct it and the run logs it."""
+
+
+class Stage(str, enum.Enum):
+    """Where a trajectory is, as a policy sees it."""
+
+    GATE = "gate"  # waiting to start its next turn
+    GENERATE = "generate"  # a request is in the engine
+    TOOLS = "tools"  # its turn is decoded; tool calls are running
+    DONE = "done"
+    PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True)
+class TrajectoryView:
+    id: str
+    group_id: str
+    turn: int
+    stage: Stage
+    generated_tokens: int
+    carry_age: int = 0  # batches this trajectory has already been carried over
+
+    @property
+    def live(self) -> bool:
+        return self.stage not in (Stage.DONE, Stage.PREEMPTED)
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    """A snapshot of one batch. ``target_groups`` is how many complete groups the batch must return (None:
+    all of them)."""
+
+    trajectories: tuple[TrajectoryView, ...]
+    target_groups: int | None = None
+    now: float = 0.0
+    by_id: dict[str, TrajectoryView] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_id", {t.id: t for t in self.trajectories})
+
+    def groups(self) -> dict[str, list[TrajectoryView]]:
+        out: dict[str, list[TrajectoryView]] = {}
+        for t in self.trajectories:
+            out.setdefault(t.group_id, []).append(t)
+        return out
+
+    def complete_groups(self) -> list[str]:
+        return [g for g, members in self.groups().items() if all(m.stage is Stage.DONE for m in members)]
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(t.generated_tokens for t in self.trajectories)
+
+
+class Policy:
+    """Base class: the defaults are per-trajectory asynchrony with nothing else (each hook is neutral)."""
+
+    name: ClassVar[str] = ""
+    risk_class: ClassVar[RiskClass | None] = None
+    early_tool_start: ClassVar[bool] = False
+    shared_prefill: ClassVar[bool] = False
+    barrier: ClassVar[bool] = False
+
+    def may_generate(self, view: RolloutView, tid: str) -> bool:
+        return True
+
+    def may_run_tools(self, view: RolloutView, tid: str) -> bool:
+        return True
+
+    def priority(self, view: RolloutView, tid: str) -> int:
+        return 0
+
+    def preempt(self, view: RolloutView) -> set[str]:
+        return set()
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.risk_class.value if self.risk_class else 'no risk class'})"
+
+
+_RISK_ORDER = [RiskClass.R1, RiskClass.R2, RiskClass.R3]
+
+
+class CompositePolicy(Policy):
+    """Several policies at once: gates are AND-ed, flags OR-ed, priorities summed, preemptions united; the
+    risk class is the most permissive of the parts."""
+
+    def __init__(self, parts: list[Policy]) -> None:
+        self.parts = parts
+        self.name = "+".join(p.name for p in parts)  # type: ignore[misc]
+        self.risk_class = max((p.risk_class for p in parts), key=_RISK_ORDER.index)  # type: ignore[misc]
+        self.early_tool_start = any(p.early_tool_start for p in parts)  # type: ignore[misc]
+        self.shared_prefill = any(p.shared_prefill for p in parts)  # type: ignore[misc]
+        self.barrier = any(p.barrier for p in parts)  # type: ignore[misc]
+
+    def may_generate(self, view: RolloutView, tid: str) -> bool:
+        return all(p.may_generate(view, tid) for p in self.parts)
+
+    def may_run_tools(self, view: RolloutView, tid: str) -> bool:
+        return all(p.may_run_tools(view, tid) for p in self.parts)
+
+    def priority(self, view: RolloutView, tid: str) -> int:
+        return sum(p.priority(view, tid) for p in self.parts)
+
+    def preempt(self, view: RolloutView) -> set[str]:
+        return set().union(*(p.preempt(view) for p in self.parts))
