@@ -67,6 +67,40 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from rollopt.benchmark.report import plot, table
+    from rollopt.benchmark.runner import BenchRun, local_engine, run_policies
+    from rollopt.benchmark.workloads import get_workload
+    from rollopt.modeling import load_model
+
+    console = Console()
+    workload = get_workload(args.workload, tasks=args.tasks, group_size=args.group_size, model=args.model)
+    schedulers = tuple(s.strip() for s in args.schedulers.split(",") if s.strip())
+    run = BenchRun(workload, schedulers, repeats=args.repeats, seed=args.seed, trace_dir=args.trace)
+    with console.status(f"loading {workload.model}"):
+        model = load_model(workload.model, seed=args.seed)
+    engine = local_engine(model, workload)
+    console.print(f"[bold]{workload.name}[/]: {workload.description}")
+    with Progress(console=console, transient=True) as progress:
+        bar = progress.add_task("rollout steps", total=len(schedulers) * args.repeats)
+        report = anyio.run(run_policies, run, model, engine, args.engine,
+                           lambda name, rep: progress.update(bar, advance=1, description=f"{name} #{rep + 1}"))
+    console.print(table(report))
+    if args.plot:
+        console.print(f"wrote {plot(report, args.plot)}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        slim = {**report, "policies": [{k: v for k, v in p.items() if k != "timeline"} for p in report["policies"]]}
+        args.json.write_text(json.dumps(slim, indent=2))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollopt", description="Fast multi-turn, tool-using RL rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +110,42 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = sub.add_parser("rollout", help="roll out an environment on the embedded engine and print it")
     _rollout_args(rollout, model="tiny", tasks=4, group=4)
     rollout.set_defaults(func=_cmd_rollout)
+    bench = sub.add_parser("bench", help="run scheduling policies side by side on one workload; print the speedup")
+    bench.add_argument("--workload", default="tool-heavy",
+                       help="tool-heavy, long-tail, branching, group-prefix or calculator")
+    bench.add_argument("--engine", default="local", choices=["local"], help="inference engine")
+    bench.add_argument("--schedulers", default="sync,async,overlap,overlap+prefix,overlap+prefix+preempt",
+                       help="comma-separated policies (combine with +); the first 'sync' is the baseline")
+    bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats per policy")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--model", default=None, help="override the workload's model ('tiny', 'smollm2', a dir)")
+    bench.add_argument("--tasks", type=int, default=None, help="override the workload's groups per step")
+    bench.add_argument("--group-size", type=int, default=None, help="override the workload's group size")
+    bench.add_argument("--json", type=Path, default=None, help="write the report as JSON")
+    bench.add_argument("--plot", type=Path, default=None, help="write speedup bars and timelines as PNG")
+    bench.add_argument("--trace", type=Path, default=None, help="write a Perfetto trace + graph per policy here")
+    bench.set_defaults(func=_cmd_bench)
+    bench = sub.add_parser("bench", help="run scheduling policies side by side on one workload; print the speedup")
+    bench.add_argument("--workload", default="tool-heavy",
+                       help="tool-heavy, long-tail, branching, group-prefix or calculator")
+    bench.add_argument("--engine", default="local", choices=["local"], help="inference engine")
+    bench.add_argument("--schedulers", default="sync,async,overlap,overlap+prefix,overlap+prefix+preempt",
+                       help="comma-separated policies (combine with +); the first 'sync' is the baseline")
+    bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats per policy")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--model", default=None, help="override the workload's model ('tiny', 'smollm2', a dir)")
+    bench.add_argument("--tasks", type=int, default=None, help="override the workload's groups per step")
+    bench.add_argument("--group-size", type=int, default=None, help="override the workload's group size")
+    bench.add_argument("--json", type=Path, default=None, help="write the report as JSON")
+    bench.add_argument("--plot", type=Path, default=None, help="write speedup bars and timelines as PNG")
+    bench.add_argument("--trace", type=Path, default=None, help="write a Perfetto trace + graph per policy here")
+    bench.set_defaults(func=_cmd_bench)
+    serve = sub.add_parser("serve-sglang", help="run an SGLang server (sglang==0.5.23, CPU) for an HF model directory")
+    serve.add_argument("--model", required=True, type=Path, help="HF model directory (config.json + safetensors)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    serve.add_argument("--python", type=Path, default=None, help="interpreter of the SGLang venv (.venv-sglang)")
+    serve.add_argument("sglang_args", nargs=argparse.REMAINDER, help="after --: more sglang.launch_server flags")
+    serve.set_defaults(func=_cmd_serve_sglang)
     return parser
 
 

@@ -333,7 +333,7 @@ class RolloutExecutor:
             slot.done.set()
 
     async def _execute(self, run: TrajectoryRun, call: ToolCall) -> ToolResult:
-        node = self._graph.add("tool", run.id, after=run.last_node, start=self._now(), tool=call.name)
+        node = self._graph.add("tool", run.id, after=run.last_node, start=self._now(), tool=call.name, call=call.id)
         try:
             result = await execute_tool_call(self._tools, call)
         except BaseException:

@@ -70,9 +70,13 @@ class RolloutGraph:
         return path
 
     def chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace-event JSON (Perfetto loads it): one track (tid) per trajectory, one complete event
-        ("ph": "X") per timed node, in microseconds."""
-        tids = {t: i for i, t in enumerate(sorted({d["trajectory"] for _, d in self.g.nodes(data=True)}))}
+        """Chrome trace-event JSON (Perfetto loads it): one complete event ("ph": "X", microseconds) per timed
+        node, on one track (tid) per trajectory, plus one track per tool call so that parallel calls never
+        overlap on a track."""
+        def track(d: dict) -> str:
+            return f"{d['trajectory']} tool {d.get('call', '')}" if d["kind"] == "tool" else d["trajectory"]
+
+        tids = {t: i for i, t in enumerate(sorted({track(d) for _, d in self.g.nodes(data=True)}))}
         events: list[dict[str, Any]] = [
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": t}} for t, i in tids.items()
         ]
@@ -80,7 +84,7 @@ class RolloutGraph:
             if d["start"] is None or d["end"] is None:
                 continue
             args = {k: v for k, v in d.items() if k not in ("start", "end") and isinstance(v, (int, float, str, bool))}
-            events.append({"ph": "X", "name": d["kind"], "cat": d["kind"], "pid": 1, "tid": tids[d["trajectory"]],
+            events.append({"ph": "X", "name": d["kind"], "cat": d["kind"], "pid": 1, "tid": tids[track(d)],
                            "ts": d["start"] * 1e6, "dur": max(d["end"] - d["start"], 0.0) * 1e6,
                            "args": {"node": node, **args}})
         return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -7,6 +7,7 @@ its own module, declares its risk class, and is registered in ``SCHEDULERS``; a 
 | name      | what it does                                                        | risk |
 |-----------|---------------------------------------------------------------------|------|
 | sync      | batch-synchronous turns (the classic multi-turn baseline)            | R1   |
+| async     | per-trajectory async; a turn's tools start after it is decoded        | R1   |
 | overlap   | per-trajectory async; tools start inside the turn as calls close      | R1   |
 | prefix    | prefill shared prefixes once, then fork; cache-affinity priority      | R1   |
 | preempt   | abort stragglers at the batch quota, carry them over, resume          | R3   |
@@ -20,6 +21,7 @@ from typing import Any, Callable
 from rollopt.errors import ConfigError
 from rollopt.schedulers.base import CompositePolicy, Policy, RiskClass, RolloutView, Stage, TrajectoryView
 from rollopt.schedulers.overlap import OverlapPolicy
+from rollopt.schedulers.per_trajectory import AsyncPolicy
 from rollopt.schedulers.prefix import PrefixPolicy
 from rollopt.schedulers.preempt import PreemptPolicy
 from rollopt.schedulers.sync import SyncPolicy
@@ -37,7 +39,7 @@ def register_scheduler(name: str, factory: Callable[..., Policy]) -> None:
     SCHEDULERS[name] = factory
 
 
-for _cls in (SyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy):
+for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy):
     register_scheduler(_cls.name, _cls)
 
 
@@ -59,12 +61,12 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
         parts.append(factory(**accepted))
     if set(options) - used:
         raise ConfigError(f"options {sorted(set(options) - used)} are not accepted by any of {names}")
-    if any(p.barrier for p in parts) and any(p.early_tool_start for p in parts):
-        raise ConfigError("'sync' (a per-turn barrier) cannot be combined with 'overlap' (no barrier)")
+    if any(p.barrier for p in parts) and any(p.name in ("async", "overlap") for p in parts):
+        raise ConfigError("'sync' (a per-turn barrier) cannot be combined with 'async' or 'overlap' (no barrier)")
     return parts[0] if len(parts) == 1 else CompositePolicy(parts)
 
 
 __all__ = [
-    "SCHEDULERS", "CompositePolicy", "OverlapPolicy", "Policy", "PrefixPolicy", "PreemptPolicy", "RiskClass",
+    "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "OverlapPolicy", "Policy", "PrefixPolicy", "PreemptPolicy", "RiskClass",
     "RolloutView", "Stage", "SyncPolicy", "TrajectoryView", "build_scheduler", "register_scheduler",
 ]

@@ -1,0 +1,113 @@
+"""What ``rollopt bench`` measures, and the lower bound it compares against.
+
+Engine calibration (wall clock, on the engine under test, after warm-up):
+
+* ``step_s``: seconds per decode step of one request alone;
+* ``peak_decode_tok_s``: decode tokens/s with ``max_running`` requests at once;
+* ``prefill_tok_s``: prompt tokens/s of one long cold prefill.
+
+Lower bound of one rollout step, from the work it actually did (its trajectories, returned or carried over):
+
+    lower_bound_s = max(decode_tokens / peak_decode_tok_s + unique_prefill_tokens / prefill_tok_s,
+                        max over trajectories of its own critical path)
+
+where ``unique_prefill_tokens`` counts each distinct non-generated prefix token once (a trie over all
+trajectories: shared prompts and fork points count once) and a trajectory's critical path is its generated
+tokens × ``step_s`` + its own unique prompt tokens / ``prefill_tok_s`` + per turn the longest of its tool calls
+(parallel calls overlap). No schedule can beat either term on this engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import anyio
+import numpy as np
+
+from rollopt.engines.base import Engine, GenerateRequest, SamplingParams
+from rollopt.executor import RolloutResult
+from rollopt.trajectory import TokenKind, Trajectory
+
+
+@dataclass(frozen=True)
+class Calibration:
+    step_s: float
+    peak_decode_tok_s: float
+    prefill_tok_s: float
+
+
+async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: int = 48) -> Calibration:
+    rng = np.random.default_rng(0)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(int(x) for x in rng.integers(3, vocab_size, n))
+
+    sampling = SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    await engine.generate(GenerateRequest("cal.warm", ids(16), sampling))
+    started = time.perf_counter()
+    await engine.generate(GenerateRequest("cal.one", ids(16), sampling))
+    step_s = (time.perf_counter() - started) / tokens
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(max_running):
+            tg.start_soon(engine.generate, GenerateRequest(f"cal.b{i}", ids(16), sampling))
+    peak = max_running * tokens / (time.perf_counter() - started)
+    long_prompt = ids(384)
+    started = time.perf_counter()
+    await engine.generate(GenerateRequest("cal.prefill", long_prompt, SamplingParams(max_new_tokens=1, temperature=0)))
+    prefill = len(long_prompt) / (time.perf_counter() - started)
+    await engine.flush_cache()
+    return Calibration(step_s, peak, prefill)
+
+
+def unique_prefill_tokens(trajectories: Sequence[Trajectory]) -> int:
+    """Distinct non-generated prefix positions over all trajectories (a trie, by chained hashes)."""
+    seen: set[int] = set()
+    for traj in trajectories:
+        h = 0
+        for token, kind in zip(traj.token_ids.tolist(), traj.kinds.tolist()):
+            h = hash((h, token))
+            if kind != TokenKind.GENERATED:
+                seen.add(h)
+    return len(seen)
+
+
+def critical_path_s(traj: Trajectory, cal: Calibration) -> float:
+    tool_s = sum(max((r.latency_s for r in turn.tool_results), default=0.0) for turn in traj.turns)
+    return traj.num_generated * cal.step_s + traj.prompt_length / cal.prefill_tok_s + tool_s
+
+
+def lower_bound_s(trajectories: Sequence[Trajectory], cal: Calibration) -> float:
+    if not trajectories:
+        return 0.0
+    decode = sum(t.num_generated for t in trajectories)
+    work = decode / cal.peak_decode_tok_s + unique_prefill_tokens(trajectories) / cal.prefill_tok_s
+    return max(work, max(critical_path_s(t, cal) for t in trajectories))
+
+
+def step_metrics(result: RolloutResult, carried: Sequence[Trajectory], engine_delta: dict[str, float],
+                 cal: Calibration) -> dict[str, float]:
+    """Metrics of one rollout step; ``engine_delta`` holds the engine counters' change over the step."""
+    everything = list(result.trajectories) + list(carried)
+    ends = {d["trajectory"]: d["end"] for _, d in result.graph.nodes("reward")}
+    latencies = [ends[t.id] for t in result.trajectories if t.id in ends]
+    naive = sum(d.get("prompt_tokens", 0) for _, d in result.graph.nodes("generate"))
+    makespan = result.wall_s
+    held = sum(t.num_generated for t in everything)
+    return {
+        "makespan_s": makespan,
+        "lower_bound_s": lower_bound_s(everything, cal),
+        "tokens_generated": result.tokens_streamed,
+        "throughput_tok_s": result.tokens_streamed / makespan if makespan else 0.0,
+        "engine_busy_frac": engine_delta.get("busy_s", float("nan")) / makespan if makespan else float("nan"),
+        "prefill_tokens": engine_delta.get("prefill_tokens", float("nan")),
+        "naive_prefill_tokens": naive,
+        "cached_tokens": engine_delta.get("cached_tokens", float("nan")),
+        "p50_latency_s": float(np.percentile(latencies, 50)) if latencies else float("nan"),
+        "p99_latency_s": float(np.percentile(latencies, 99)) if latencies else float("nan"),
+        "lost_tokens": result.tokens_streamed - held,
+        "returned_trajectories": len(result.trajectories),
+        "preempted": result.preempted,
+    }

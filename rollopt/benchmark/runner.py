@@ -1,0 +1,130 @@
+"""Run several scheduling policies on one workload, interleaved (A B C, A B C, ...) so machine drift spreads
+evenly, on one warm engine whose prefix cache is flushed before every step. Each policy sees the identical
+workload: the same tasks, the same per-request sampling seeds."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rollopt.benchmark.measure import Calibration, calibrate, step_metrics
+from rollopt.benchmark.workloads import Workload
+from rollopt.chat import ChatRenderer
+from rollopt.engines.base import Engine
+from rollopt.engines.local import LocalEngine, LocalEngineConfig
+from rollopt.executor import RolloutExecutor, episode_specs
+from rollopt.modeling import LoadedModel
+from rollopt.schedulers import build_scheduler
+
+MEDIAN_KEYS = ("makespan_s", "lower_bound_s", "tokens_generated", "throughput_tok_s", "engine_busy_frac",
+               "prefill_tokens", "naive_prefill_tokens", "cached_tokens", "p50_latency_s", "p99_latency_s",
+               "returned_trajectories", "preempted")
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    workload: Workload
+    schedulers: tuple[str, ...]
+    repeats: int = 3
+    seed: int = 0
+    trace_dir: Path | None = None
+
+
+def local_engine(model: LoadedModel, workload: Workload) -> LocalEngine:
+    cfg = LocalEngineConfig(max_running=workload.max_running, max_context=4096, prefix_cache_tokens=65536,
+                            kv_budget_mb=12288)
+    return LocalEngine(model.config, model.state_dict, cfg, tokenizer=model.tokenizer, model_name=model.name)
+
+
+def _engine_counters(engine: Engine) -> dict[str, float]:
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return {}
+    return {"busy_s": stats.busy_s, "prefill_tokens": stats.prefill_tokens, "cached_tokens": stats.cached_tokens}
+
+
+async def run_policies(run: BenchRun, model: LoadedModel, engine: Engine, engine_kind: str,
+                       on_step: Callable[[str, int], None] = lambda name, rep: None) -> dict[str, Any]:
+    """Run every policy ``repeats`` times; return the report dict (see ``rollopt bench --help``)."""
+    w = run.workload
+    env = w.make_env()
+    renderer = ChatRenderer(model.tokenizer)
+    per_policy: dict[str, list[dict[str, float]]] = {name: [] for name in run.schedulers}
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(engine)
+        info = await engine.info()
+        cal: Calibration = await calibrate(engine, info.vocab_size, w.max_running)
+        for rep in range(run.repeats):
+            for name in run.schedulers:
+                policy = build_scheduler(name)
+                preempts = any(getattr(p, "name", "") == "preempt" for p in getattr(policy, "parts", [policy]))
+                n_tasks = w.tasks + (w.extra_groups if preempts else 0)
+                specs = episode_specs(env.tasks(n_tasks, run.seed), w.group_size, w.sampling, run.seed, **w.fork)
+                await engine.flush_cache()
+                before = _engine_counters(engine)
+                executor = RolloutExecutor(env, engine, renderer, policy)
+                result = await executor.run(specs, target_groups=w.tasks if preempts else None)
+                after = _engine_counters(engine)
+                delta = {k: after[k] - before[k] for k in after}
+                carried = [r.traj for r in executor.carry_over]
+                metrics = step_metrics(result, carried, delta, cal)
+                per_policy[name].append(metrics)
+                if run.trace_dir is not None and rep == run.repeats - 1:
+                    _write_traces(run.trace_dir, name, result)
+                per_policy[name][-1]["_timeline"] = _timeline(result)  # type: ignore[assignment]
+                on_step(name, rep)
+    return _summarize(run, model, engine_kind, cal, per_policy)
+
+
+def _write_traces(trace_dir: Path, name: str, result) -> None:
+    import json
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    safe = name.replace("+", "_")
+    (trace_dir / f"{safe}.trace.json").write_text(json.dumps(result.graph.chrome_trace()))
+    result.graph.save(trace_dir / f"{safe}.graph.json")
+
+
+def _timeline(result) -> list[tuple[str, str, float, float]]:
+    return [(d["trajectory"], d["kind"], d["start"], d["end"]) for _, d in result.graph.g.nodes(data=True)
+            if d["kind"] in ("generate", "tool", "prefill") and d["start"] is not None and d["end"] is not None]
+
+
+def _summarize(run: BenchRun, model: LoadedModel, engine_kind: str, cal: Calibration, per_policy) -> dict[str, Any]:
+    baseline = "sync" if "sync" in per_policy else run.schedulers[0]
+    policies = []
+    for name, steps in per_policy.items():
+        med = {k: statistics.median(s[k] for s in steps) for k in MEDIAN_KEYS}
+        ratios = [b["makespan_s"] / s["makespan_s"] for b, s in zip(per_policy[baseline], steps)]
+        policy = build_scheduler(name)
+        policies.append({
+            "scheduler": name,
+            "risk_class": policy.risk_class.value,
+            **med,
+            "makespan_min_s": min(s["makespan_s"] for s in steps),
+            "makespan_max_s": max(s["makespan_s"] for s in steps),
+            "speedup_vs_sync" if baseline == "sync" else "speedup_vs_baseline": statistics.median(ratios),
+            "speedup_min": min(ratios),
+            "speedup_max": max(ratios),
+            "efficiency": med["lower_bound_s"] / med["makespan_s"],
+            "lost_tokens": max(s["lost_tokens"] for s in steps),
+            "repeats": len(steps),
+            "timeline": steps[-1]["_timeline"],
+        })
+    return {
+        "workload": run.workload.name,
+        "workload_description": run.workload.description,
+        "engine": engine_kind,
+        "model": model.name,
+        "seed": run.seed,
+        "baseline": baseline,
+        "machine": {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "calibration": cal.__dict__,
+        "policies": policies,
+    }
