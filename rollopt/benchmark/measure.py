@@ -93,7 +93,11 @@ def step_metrics(result: RolloutResult, carried: Sequence[Trajectory], engine_de
     everything = list(result.trajectories) + list(carried)
     ends = {d["trajectory"]: d["end"] for _, d in result.graph.nodes("reward")}
     latencies = [ends[t.id] for t in result.trajectories if t.id in ends]
-    naive = sum(d.get("prompt_tokens", 0) for _, d in result.graph.nodes("generate"))
+    requests = [d for _, d in result.graph.nodes("generate")] + [d for _, d in result.graph.nodes("prefill")]
+    naive = sum(d.get("prompt_tokens", 0) for d in requests if d["kind"] == "generate")
+    # engines without counters (SGLang): computed prefill = what the requests sent minus what the cache served
+    reported_cached = sum(d.get("cached_tokens", 0) or 0 for d in requests)
+    reported_prefill = naive + sum(d.get("tokens", 0) for d in requests if d["kind"] == "prefill") - reported_cached
     makespan = result.wall_s
     held = sum(t.num_generated for t in everything)
     return {
@@ -102,9 +106,9 @@ def step_metrics(result: RolloutResult, carried: Sequence[Trajectory], engine_de
         "tokens_generated": result.tokens_streamed,
         "throughput_tok_s": result.tokens_streamed / makespan if makespan else 0.0,
         "engine_busy_frac": engine_delta.get("busy_s", float("nan")) / makespan if makespan else float("nan"),
-        "prefill_tokens": engine_delta.get("prefill_tokens", float("nan")),
+        "prefill_tokens": engine_delta.get("prefill_tokens", reported_prefill),
         "naive_prefill_tokens": naive,
-        "cached_tokens": engine_delta.get("cached_tokens", float("nan")),
+        "cached_tokens": engine_delta.get("cached_tokens", reported_cached),
         "p50_latency_s": float(np.percentile(latencies, 50)) if latencies else float("nan"),
         "p99_latency_s": float(np.percentile(latencies, 99)) if latencies else float("nan"),
         "lost_tokens": result.tokens_streamed - held,

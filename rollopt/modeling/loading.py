@@ -77,3 +77,16 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def save_hf_dir(model, out_dir: str | Path) -> Path:
+    """Write a :class:`rollopt.modeling.LoadedModel` as an HF directory (safetensors + tokenizer), e.g. for an
+    SGLang server to load."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    hf = AutoModelForCausalLM.from_config(model.config)
+    hf.load_state_dict(model.state_dict, strict=False)
+    hf.save_pretrained(out)
+    model.tokenizer.save_pretrained(out)
+    return out

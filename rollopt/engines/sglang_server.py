@@ -1,0 +1,277 @@
+"""Launch a real SGLang server process for a local HF model directory, wait until it is healthy, stop it.
+
+``SGLangServer`` is a context manager, sync (``with``) and async (``async with``)::
+
+    with SGLangServer("/path/to/model", extra_args=["--dtype", "float32"]) as server:
+        ...  # SGLangEngine(server.base_url)
+
+Contract:
+
+* The server runs from its own virtualenv (default ``<repo>/.venv-sglang``, made by
+  ``scripts/setup-sglang-venv.sh`` / ``make sglang-venv``; ``python=`` or ``$ROLLOPT_SGLANG_PYTHON`` override
+  it), because sglang's pinned requirements conflict with rollopt's. The supported version is
+  ``sglang==0.5.23`` (:data:`SGLANG_VERSION`).
+* It is started as ``python -m sglang.launch_server --model-path DIR --host 127.0.0.1 --port P`` plus, on
+  ``device="cpu"``, ``--device cpu --disable-overlap-schedule --max-total-tokens 8192`` (without the cap SGLang
+  reserves ~15 GB of RAM for KV), ``SGLANG_USE_CPU_ENGINE=1`` and ``PYTHONPATH`` set to the test/CI-only
+  ``sgl_kernel`` stand-in (``rollopt/engines/_sgl_kernel_cpu_standin``) for the server process only.
+* It runs in its own process group (session); stdout and stderr go to a log file (``log_path``).
+* Start-up waits for ``GET /health_generate`` to answer 200; if the process exits first or the timeout passes,
+  the process group is stopped and :class:`~rollopt.errors.EngineError` is raised with the tail of the log.
+* ``stop()`` (also on exit, error or cancellation) sends SIGTERM to the process group, waits, then SIGKILL,
+  and always reaps the process. ``kill()`` SIGKILLs the group at once (to test crash handling).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import anyio
+import httpx
+
+from rollopt.errors import ConfigError, EngineError
+
+SGLANG_VERSION = "0.5.23"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STANDIN_PATH = Path(__file__).resolve().parent / "_sgl_kernel_cpu_standin"
+CPU_ARGS = ("--device", "cpu", "--disable-overlap-schedule", "--max-total-tokens", "8192", "--sleep-on-idle")
+
+
+def default_sglang_python() -> Path:
+    """``$ROLLOPT_SGLANG_PYTHON`` if set, else ``<repo>/.venv-sglang/bin/python``."""
+    env = os.environ.get("ROLLOPT_SGLANG_PYTHON")
+    return Path(env) if env else REPO_ROOT / ".venv-sglang" / "bin" / "python"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SGLangServer:
+    """One SGLang server process; see the module docstring for the contract.
+
+    Args:
+        model_dir: a local HF model directory (config.json, safetensors, tokenizer).
+        port: the port to listen on (default: a free one).
+        python: the interpreter of the SGLang virtualenv (default :func:`default_sglang_python`).
+        extra_args: more ``sglang.launch_server`` flags, e.g. ``["--dtype", "float32"]``.
+        device: ``"cpu"`` adds the CPU flags and environment described above; anything else is passed as
+            ``--device`` with no stand-in.
+        log_path: where the server's stdout/stderr go (default: a new file in the temp dir).
+        startup_timeout_s: how long to wait for health before giving up.
+        stop_timeout_s: how long to wait after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, model_dir: str | Path, port: int | None = None, *, python: str | Path | None = None,
+                 extra_args: Sequence[str] = (), device: str = "cpu", host: str = "127.0.0.1",
+                 log_path: str | Path | None = None, startup_timeout_s: float = 240.0,
+                 stop_timeout_s: float = 15.0) -> None:
+        self.model_dir = Path(model_dir)
+        self.host = host
+        self.port = port
+        self.python = Path(python) if python is not None else default_sglang_python()
+        self.extra_args = list(extra_args)
+        self.device = device
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.startup_s: float | None = None  # seconds from spawn to healthy
+        self._started_at = 0.0
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server has no port yet; start it first")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def command(self) -> list[str]:
+        args = [str(self.python), "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
+                "--host", self.host, "--port", str(self.port)]
+        if self.device == "cpu":
+            args += CPU_ARGS
+        else:
+            args += ["--device", self.device]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONPATH"] = str(STANDIN_PATH)
+        return env
+
+    # ------------------------------------------------------------------------------------------ start
+    def _spawn(self) -> None:
+        if self.process is not None:
+            raise RuntimeError("this SGLangServer was already started")
+        if not self.python.exists():
+            raise ConfigError(
+                f"no SGLang interpreter at {self.python}; run `make sglang-venv` (scripts/setup-sglang-venv.sh) "
+                "to create .venv-sglang, or pass python=... / set ROLLOPT_SGLANG_PYTHON")
+        if not (self.model_dir / "config.json").exists():
+            raise ConfigError(f"model_dir {self.model_dir} has no config.json; give an HF model directory")
+        if self.port is None:
+            self.port = free_port(self.host)
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"rollopt-sglang-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.environment(),
+                                            start_new_session=True)
+        self._started_at = time.monotonic()
+
+    def _startup_error(self, why: str) -> EngineError:
+        return EngineError(f"SGLang server for {self.model_dir} on port {self.port} {why}; "
+                           f"log {self.log_path}, last lines:\n{self.log_tail()}")
+
+    def _poll_once(self, status: int | None) -> bool:
+        """True when healthy; raises (after stopping the group) when the process died or time ran out."""
+        assert self.process is not None
+        if status == 200:
+            self.startup_s = time.monotonic() - self._started_at
+            return True
+        code = self.process.poll()
+        if code is not None:
+            self.stop()
+            raise self._startup_error(f"exited with code {code} during start-up")
+        if time.monotonic() - self._started_at > self.startup_timeout_s:
+            self.stop()
+            raise self._startup_error(f"was not healthy after {self.startup_timeout_s:g} s")
+        return False
+
+    def start(self) -> "SGLangServer":
+        """Spawn the server and block until it is healthy."""
+        self._spawn()
+        try:
+            with httpx.Client(timeout=30, trust_env=False) as client:
+                while True:
+                    try:
+                        status = client.get(self.base_url + "/health_generate").status_code
+                    except httpx.HTTPError:
+                        status = None
+                    if self._poll_once(status):
+                        return self
+                    time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def astart(self) -> "SGLangServer":
+        """Spawn the server and wait (without blocking the event loop) until it is healthy; cancellation
+        stops it."""
+        self._spawn()
+        try:
+            async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+                while True:
+                    try:
+                        status = (await client.get(self.base_url + "/health_generate")).status_code
+                    except httpx.HTTPError:
+                        status = None
+                    if self._poll_once(status):
+                        return self
+                    await anyio.sleep(0.5)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.stop)
+            raise
+
+    # ------------------------------------------------------------------------------------------ stop
+    def _signal_group(self, sig: int) -> None:
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, sig)  # start_new_session: the group id is the leader's pid
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group now and reap the leader (simulates a crash)."""
+        if self.process is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM the process group, wait up to ``stop_timeout_s``, then SIGKILL it; idempotent."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # the leader may be gone while children (scheduler, detokenizer) linger: SIGKILL the group either way
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    # ------------------------------------------------------------------------------------------ context
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> "SGLangServer":
+        return await self.astart()
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.stop)
+
+    def __repr__(self) -> str:
+        return f"SGLangServer({str(self.model_dir)!r}, port={self.port}, pid={self.pid}, running={self.running})"
+
+
+def main_serve(model_dir: str | Path, port: int | None = None, extra_args: Sequence[str] = (),
+               python: str | Path | None = None) -> int:
+    """Run a server in the foreground until Ctrl-C or SIGTERM (``rollopt serve-sglang``); either stops the
+    server's process group before returning. Meant for a CLI's main thread (it installs signal handlers)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)  # also when started with SIGINT ignored (a background job)
+    signal.signal(signal.SIGTERM, interrupt)
+    server = SGLangServer(model_dir, port, python=python, extra_args=extra_args)
+    print(f"starting SGLang {SGLANG_VERSION} for {model_dir} ...", file=sys.stderr, flush=True)
+    try:
+        with server:
+            print(f"SGLang server ready at {server.base_url} after {server.startup_s:.1f} s "
+                  f"(pid {server.pid}, log {server.log_path}); Ctrl-C stops it", flush=True)
+            while server.running:
+                time.sleep(1.0)
+            print(f"the server exited with code {server.process.returncode}; log tail:\n{server.log_tail()}",
+                  file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 0
