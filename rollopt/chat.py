@@ -58,6 +58,7 @@ class ChatRenderer:
         self.template_renders_tools = "tools" in tokenizer.chat_template
         self.end_of_turn_token = end_of_turn_token or tokenizer.eos_token
         self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(self.end_of_turn_token))
+        self._stand_in_text: str | None = None
 
     def _text(self, messages: Sequence[Message], tools: Sequence[dict] | None, generation_prompt: bool) -> str:
         if tools and not self.template_renders_tools:
@@ -87,7 +88,9 @@ class ChatRenderer:
         If the turn did not end with the end-of-turn token (it was cut by a length limit), the end-of-turn
         token is prepended so the context stays well-formed; it is an observation token, not a generated one.
         """
-        before = self._text(_STAND_IN, None, generation_prompt=False)
+        if self._stand_in_text is None:
+            self._stand_in_text = self._text(_STAND_IN, None, generation_prompt=False)
+        before = self._stand_in_text
         after = self._text([*_STAND_IN, *messages], None, generation_prompt=True)
         if not after.startswith(before):
             raise ConfigError("the chat template re-renders earlier messages when new ones are added; "

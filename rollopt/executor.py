@@ -127,6 +127,7 @@ class RolloutExecutor:
         self._target = target_groups
         self._max_context = (await self.engine.info()).max_context
         self._changed = anyio.Event()
+        self._view: RolloutView | None = None
         self._prefills: dict[tuple, anyio.Event] = {}
         self._streamed, self._preempted = 0, 0
         carried, self.carry_over = self.carry_over, []
@@ -165,10 +166,14 @@ class RolloutExecutor:
 
     # ------------------------------------------------------------------------------------------ state
     def view(self) -> RolloutView:
-        return RolloutView(tuple(r.view() for r in self._runs), self._target, self._now())
+        """The policy's snapshot; rebuilt after each state change (token counts may lag by one change)."""
+        if self._view is None:
+            self._view = RolloutView(tuple(r.view() for r in self._runs), self._target, self._now())
+        return self._view
 
     def _notify(self) -> None:
         """A stage changed: wake the gates and let the policy preempt."""
+        self._view = None
         self._changed.set()
         self._changed = anyio.Event()
         for tid in self.policy.preempt(self.view()):
@@ -449,6 +454,7 @@ class RolloutExecutor:
         for j in range(1, run.spec.fork_branches):
             traj = copy.deepcopy(run.traj)
             traj.id = f"{run.id}.b{j}"
+            traj.metadata["cloned_at"] = len(traj)  # tokens before this offset were sampled by the parent
             seed = None if run.spec.sampling.seed is None else run.spec.sampling.seed + 1_000_003 * j
             spec = replace(run.spec, trajectory_id=traj.id, sampling=replace(run.spec.sampling, seed=seed),
                            fork_after_turn=None)

@@ -34,7 +34,9 @@ def test_bench_reports_every_policy_and_writes_json_png_trace(tmp_path, capsys):
 
 def test_bench_trace_is_well_formed_and_nested(tmp_path):
     assert main(["bench", "--workload", "branching", "--tasks", "2", "--repeats", "1",
-                 "--schedulers", "sync,overlap+prefix", "--trace", str(tmp_path)]) == 0
+                 "--schedulers", "sync,overlap+prefix", "--trace", str(tmp_path), "--json", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert [p["lost_tokens"] for p in report["policies"]] == [0, 0]  # forks share, not duplicate, their tokens
     for name in ("sync", "overlap_prefix"):
         trace = json.loads((tmp_path / f"{name}.trace.json").read_text())
         events = trace["traceEvents"]

@@ -261,3 +261,13 @@ async def test_cancelled_caller_frees_its_slot(peaked_model):
                                                                                   ignore_eos=True)))
         res = await eng.generate(GenerateRequest("next", prompt(10), GREEDY))
     assert len(res.output_ids) == 24 and eng.stats.requests_aborted == 1
+
+
+async def test_bf16_engine_tracks_fp32(peaked_model):
+    ids = prompt(40, seed=11)
+    async with engine(peaked_model) as fp32, engine(peaked_model, dtype="bfloat16") as bf16:
+        a = await fp32.generate(GenerateRequest("a", ids, GREEDY))
+        b = await bf16.generate(GenerateRequest("b", ids, GREEDY))
+    assert bf16.kv.k.dtype == torch.bfloat16
+    assert a.output_ids[:4] == b.output_ids[:4]  # peaked logits: the first tokens agree despite bf16 rounding
+    assert abs(a.logprobs[0] - b.logprobs[0]) < 0.1

@@ -63,7 +63,8 @@ async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: i
 
 
 def unique_prefill_tokens(trajectories: Sequence[Trajectory]) -> int:
-    """Distinct non-generated prefix positions over all trajectories (a trie, by chained hashes)."""
+    """Distinct non-generated prefix positions over all trajectories (a trie, by chained hashes): a prompt
+    or fork point that several trajectories share counts once."""
     seen: set[int] = set()
     for traj in trajectories:
         h = 0
@@ -74,6 +75,13 @@ def unique_prefill_tokens(trajectories: Sequence[Trajectory]) -> int:
     return len(seen)
 
 
+def sampled_tokens(trajectories: Sequence[Trajectory]) -> int:
+    """Generated tokens held, counting the tokens a fork's clone copied from its parent once."""
+    total = sum(t.num_generated for t in trajectories)
+    return total - sum(int(t.loss_mask[: t.metadata["cloned_at"]].sum()) for t in trajectories
+                       if "cloned_at" in t.metadata)
+
+
 def critical_path_s(traj: Trajectory, cal: Calibration) -> float:
     tool_s = sum(max((r.latency_s for r in turn.tool_results), default=0.0) for turn in traj.turns)
     return traj.num_generated * cal.step_s + traj.prompt_length / cal.prefill_tok_s + tool_s
@@ -82,7 +90,7 @@ def critical_path_s(traj: Trajectory, cal: Calibration) -> float:
 def lower_bound_s(trajectories: Sequence[Trajectory], cal: Calibration) -> float:
     if not trajectories:
         return 0.0
-    decode = sum(t.num_generated for t in trajectories)
+    decode = sampled_tokens(trajectories)
     work = decode / cal.peak_decode_tok_s + unique_prefill_tokens(trajectories) / cal.prefill_tok_s
     return max(work, max(critical_path_s(t, cal) for t in trajectories))
 
@@ -99,7 +107,7 @@ def step_metrics(result: RolloutResult, carried: Sequence[Trajectory], engine_de
     reported_cached = sum(d.get("cached_tokens", 0) or 0 for d in requests)
     reported_prefill = naive + sum(d.get("tokens", 0) for d in requests if d["kind"] == "prefill") - reported_cached
     makespan = result.wall_s
-    held = sum(t.num_generated for t in everything)
+    held = sampled_tokens(everything)
     return {
         "makespan_s": makespan,
         "lower_bound_s": lower_bound_s(everything, cal),

@@ -37,16 +37,16 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload(
         "tool-heavy",
-        "12-16 turns of 8-24 tokens, one tool call per turn with log-normal latency (median 0.1 s, sigma 1): "
-        "tool time above decode time, as in multi-turn tool RL; 16 groups of 4",
-        lambda: SyntheticEnv(turns=(12, 16), tokens_per_turn=(8, 24), tools_per_turn=1, tool_latency_s=0.1,
+        "12-16 turns of 8-16 tokens, one tool call per turn with log-normal latency (median 0.25 s, sigma 1): "
+        "tool time well above decode time, as in multi-turn tool RL; 16 groups of 4",
+        lambda: SyntheticEnv(turns=(12, 16), tokens_per_turn=(8, 16), tools_per_turn=1, tool_latency_s=0.25,
                              tool_sigma=1.0),
         tasks=16, group_size=4, sampling=SamplingParams(temperature=1.0)),
     Workload(
         "long-tail",
-        "1-2 turns of 16-32 tokens, short tools; 10% of tasks decode 10x longer (the last requests dominate)",
+        "1-2 turns of 16-32 tokens, short tools; 10% of tasks decode 30x longer (the last requests dominate)",
         lambda: SyntheticEnv(turns=(1, 2), tokens_per_turn=(16, 32), tools_per_turn=1, tool_latency_s=0.02,
-                             tool_sigma=0.5, long_tail_fraction=0.1, long_tail_factor=10),
+                             tool_sigma=0.5, long_tail_fraction=0.1, long_tail_factor=30),
         tasks=16, group_size=4, sampling=SamplingParams(temperature=1.0), extra_groups=4),
     Workload(
         "branching",

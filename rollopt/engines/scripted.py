@@ -30,21 +30,25 @@ class ScriptedEngine(Engine):
         self.version = 0
         self.requests: list[GenerateRequest] = []
         self._aborted: set[str] = set()
-        self._seen: list[tuple[int, ...]] = []
+        self._seen: set[int] = set()  # chained hashes of every prefix of every earlier sequence
         self._in_flight: set[str] = set()
         self._running = anyio.Event()
         self._running.set()
 
     def _cached(self, ids: tuple[int, ...]) -> int:
-        best = 0
-        for prev in self._seen:
-            n = 0
-            for a, b in zip(prev, ids[:-1]):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        return best
+        h, n = 0, 0
+        for token in ids[:-1]:
+            h = hash((h, token))
+            if h not in self._seen:
+                break
+            n += 1
+        return n
+
+    def _remember(self, ids: tuple[int, ...]) -> None:
+        h = 0
+        for token in ids:
+            h = hash((h, token))
+            self._seen.add(h)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         request.sampling.validate()
@@ -74,7 +78,7 @@ class ScriptedEngine(Engine):
             elif len(out) < request.sampling.max_new_tokens:
                 reason = FinishReason.STOP
         self._in_flight.discard(request.rid)
-        self._seen.append(tuple(request.input_ids) + tuple(out))
+        self._remember(tuple(request.input_ids) + tuple(out))
         result = GenerateResult(request.rid, out, [self.logprob] * len(out), versions, reason,
                                 prompt_tokens=len(request.input_ids), cached_tokens=cached)
         yield GenerateChunk(request.rid, [], [], [], result=result)

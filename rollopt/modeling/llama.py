@@ -247,18 +247,23 @@ class LlamaModel:
             mask[~active, 0] = True  # keep softmax finite on ignored rows
             mask = mask[:, None, None, :]
         row_lengths = [(int(r), int(p) + 1) for r, p in zip(rows, pos_active)]
+        s = self.shape
+        group = s.num_heads // s.num_kv_heads
         h = self.embed[tokens][:, None]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, positions[:, None], tiled=True)
             kv.k[li, rows, :, pos_active] = k[rows, :, 0]
             kv.v[li, rows, :, pos_active] = v[rows, :, 0]
+            # One query token per row: fold each KV head's group of query heads into the query-length axis,
+            # so attention runs on the cache as it is (no GQA head repetition, no copy of K/V).
+            qg = q.reshape(B, s.num_kv_heads, group, s.head_dim)
             if self.batch_invariant:
-                attn = torch.zeros_like(q)
+                attn = torch.zeros_like(qg)
                 for r, n in row_lengths:
                     attn[r:r + 1] = F.scaled_dot_product_attention(
-                        q[r:r + 1], kv.k[li, r:r + 1, :, :n], kv.v[li, r:r + 1, :, :n], enable_gqa=True)
+                        qg[r:r + 1], kv.k[li, r:r + 1, :, :n], kv.v[li, r:r + 1, :, :n])
             else:
-                attn = F.scaled_dot_product_attention(q, kv.k[li, :B, :, :T], kv.v[li, :B, :, :T], attn_mask=mask,
-                                                      enable_gqa=True)
+                attn = F.scaled_dot_product_attention(qg, kv.k[li, :B, :, :T], kv.v[li, :B, :, :T], attn_mask=mask)
+            attn = attn.reshape(B, s.num_heads, 1, s.head_dim)
             h = self._finish_layer(layer, h, attn, tiled=True)
         return self._logits(h[:, 0], tiled=True)
