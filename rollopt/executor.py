@@ -444,7 +444,7 @@ class RolloutExecutor:
         if run.turn >= self.env.max_turns:
             self._end(run, Status.TRUNCATED)
             return True
-        self._set_stage(run, Stage.GATE)
+        run.stage = Stage.GATE  # the driver loop enters the gate (and notifies) next
         return True
 
     def _fork(self, run: TrajectoryRun) -> None:

@@ -1,7 +1,6 @@
 """Scheduling policies: pure decision logic on hand-built views (no engine, no clock), then the executor on the
 scripted engine (scheduling logic) and on the embedded engine (R1 parity, prefix sharing, preemption)."""
 
-import anyio
 import pytest
 
 from rollopt import ChatRenderer, ConfigError, LocalEngine, LocalEngineConfig, RolloutExecutor, SamplingParams
