@@ -122,6 +122,34 @@ def test_launcher_reports_a_server_that_dies_at_start(tiny_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- real server
+def test_free_port_is_outside_the_ephemeral_range():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 < p < min(low, 22000) for p in ports) and len(ports) > 1
+
+
+async def test_a_taken_port_is_replaced_by_a_relaunch_or_named_when_explicit(tiny_dir, tmp_path, monkeypatch):
+    import socket
+
+    from rollopt.engines import sglang_server as launcher
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", free_port()))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        explicit = SGLangServer(tiny_dir, taken, extra_args=FP32, log_path=tmp_path / "explicit.log")
+        with pytest.raises(EngineError, match="could not bind its port"):
+            await explicit.astart()
+        assert not explicit.running
+        picks = iter([taken])  # the launcher's first pick is the squatted port, as in the race
+        monkeypatch.setattr(launcher, "free_port", lambda host: next(picks, None) or free_port(host))
+        async with SGLangServer(tiny_dir, extra_args=FP32, log_path=tmp_path / "auto.log") as server:
+            assert server.port != taken
+            async with SGLangEngine(server.base_url) as eng:
+                assert (await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(3)))).output_ids
+    assert (tmp_path / "auto.log").read_text().count(launcher.BIND_FAILURE) == 1
+
+
 async def test_generate_with_logprobs(sglang_server):
     async with SGLangEngine(sglang_server.base_url) as eng:
         info = await eng.info()

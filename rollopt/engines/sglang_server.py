@@ -15,6 +15,8 @@ Contract:
   ``device="cpu"``, ``--device cpu --disable-overlap-schedule --max-total-tokens 8192`` (without the cap SGLang
   reserves ~15 GB of RAM for KV), ``SGLANG_USE_CPU_ENGINE=1`` and ``PYTHONPATH`` set to the test/CI-only
   ``sgl_kernel`` stand-in (``rollopt/engines/_sgl_kernel_cpu_standin``) for the server process only.
+* With no ``port`` given it picks a free one below the kernel's ephemeral range (see :func:`free_port`); if the
+  server still fails to bind it (the log says so), it is relaunched on a new port, up to ``bind_retries`` times.
 * It runs in its own process group (session); stdout and stderr go to a log file (``log_path``).
 * Start-up waits for ``GET /health_generate`` to answer 200; if the process exits first or the timeout passes,
   the process group is stopped and :class:`~rollopt.errors.EngineError` is raised with the tail of the log.
@@ -25,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,10 +54,30 @@ def default_sglang_python() -> Path:
     return Path(env) if env else REPO_ROOT / ".venv-sglang" / "bin" / "python"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+PORT_RANGE = (10000, 21999)  # below SGLang's own internal-port range (22000-29999) and the ephemeral range
+BIND_FAILURE = "error while attempting to bind on address"
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A port that is free now and outside the kernel's ephemeral range.
+
+    A port from ``bind(0)`` is ephemeral: after it is released, the kernel may hand it to any socket the server's
+    own child processes open (gloo, ZMQ, outgoing connections) before the HTTP server binds it. Ports below the
+    ephemeral range are only handed out on request, so the race is gone; SGLang uses 22000-29999 for its own
+    later-bound ports, so this stays below that too."""
+    rng = random.SystemRandom()
+    for port in rng.sample(range(PORT_RANGE[0], PORT_RANGE[1] + 1), attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise EngineError(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1]} after {attempts} tries; pass port=...")
+
+
+class _PortTaken(Exception):
+    """The server could not bind its HTTP port (someone took it between the check and the bind)."""
 
 
 class SGLangServer:
@@ -69,16 +92,20 @@ class SGLangServer:
             ``--device`` with no stand-in.
         log_path: where the server's stdout/stderr go (default: a new file in the temp dir).
         startup_timeout_s: how long to wait for health before giving up.
+        bind_retries: when ``port`` was left to the launcher and the server fails to bind it, relaunch on a
+            new free port up to this many times (a port given explicitly is never changed).
         stop_timeout_s: how long to wait after SIGTERM before SIGKILL.
     """
 
     def __init__(self, model_dir: str | Path, port: int | None = None, *, python: str | Path | None = None,
                  extra_args: Sequence[str] = (), device: str = "cpu", host: str = "127.0.0.1",
                  log_path: str | Path | None = None, startup_timeout_s: float = 240.0,
-                 stop_timeout_s: float = 15.0) -> None:
+                 stop_timeout_s: float = 15.0, bind_retries: int = 3) -> None:
         self.model_dir = Path(model_dir)
         self.host = host
         self.port = port
+        self._choose_port = port is None
+        self.bind_retries = bind_retries
         self.python = Path(python) if python is not None else default_sglang_python()
         self.extra_args = list(extra_args)
         self.device = device
@@ -88,6 +115,7 @@ class SGLangServer:
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None  # seconds from spawn to healthy
         self._started_at = 0.0
+        self._log_offset = 0  # where this launch's output starts in the log (a relaunch appends)
 
     @property
     def base_url(self) -> str:
@@ -117,20 +145,19 @@ class SGLangServer:
 
     # ------------------------------------------------------------------------------------------ start
     def _spawn(self) -> None:
-        if self.process is not None:
-            raise RuntimeError("this SGLangServer was already started")
         if not self.python.exists():
             raise ConfigError(
                 f"no SGLang interpreter at {self.python}; run `make sglang-venv` (scripts/setup-sglang-venv.sh) "
                 "to create .venv-sglang, or pass python=... / set ROLLOPT_SGLANG_PYTHON")
         if not (self.model_dir / "config.json").exists():
             raise ConfigError(f"model_dir {self.model_dir} has no config.json; give an HF model directory")
-        if self.port is None:
+        if self._choose_port:
             self.port = free_port(self.host)
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"rollopt-sglang-{self.port}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, env=self.environment(),
@@ -147,6 +174,11 @@ class SGLangServer:
         if status == 200:
             self.startup_s = time.monotonic() - self._started_at
             return True
+        if BIND_FAILURE in self._log_of_this_launch():  # uvicorn logs it and then hangs in shutdown: do not wait it out
+            self.stop()
+            if self._choose_port:
+                raise _PortTaken()
+            raise self._startup_error("could not bind its port (in use); pass another port")
         code = self.process.poll()
         if code is not None:
             self.stop()
@@ -156,41 +188,57 @@ class SGLangServer:
             raise self._startup_error(f"was not healthy after {self.startup_timeout_s:g} s")
         return False
 
+    def _check_not_started(self) -> None:
+        if self.process is not None:
+            raise RuntimeError("this SGLangServer was already started")
+
     def start(self) -> "SGLangServer":
         """Spawn the server and block until it is healthy."""
-        self._spawn()
-        try:
-            with httpx.Client(timeout=30, trust_env=False) as client:
-                while True:
-                    try:
-                        status = client.get(self.base_url + "/health_generate").status_code
-                    except httpx.HTTPError:
-                        status = None
-                    if self._poll_once(status):
-                        return self
-                    time.sleep(0.5)
-        except BaseException:
-            self.stop()
-            raise
+        self._check_not_started()
+        for attempt in range(self.bind_retries + 1):
+            self._spawn()
+            try:
+                with httpx.Client(timeout=30, trust_env=False) as client:
+                    while True:
+                        try:
+                            status = client.get(self.base_url + "/health_generate").status_code
+                        except httpx.HTTPError:
+                            status = None
+                        if self._poll_once(status):
+                            return self
+                        time.sleep(0.5)
+            except _PortTaken:
+                if attempt == self.bind_retries:
+                    raise self._startup_error(f"could not bind a free port in {attempt + 1} launches") from None
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     async def astart(self) -> "SGLangServer":
         """Spawn the server and wait (without blocking the event loop) until it is healthy; cancellation
         stops it."""
-        self._spawn()
-        try:
-            async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
-                while True:
-                    try:
-                        status = (await client.get(self.base_url + "/health_generate")).status_code
-                    except httpx.HTTPError:
-                        status = None
-                    if self._poll_once(status):
-                        return self
-                    await anyio.sleep(0.5)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.stop)
-            raise
+        self._check_not_started()
+        for attempt in range(self.bind_retries + 1):
+            self._spawn()
+            try:
+                async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+                    while True:
+                        try:
+                            status = (await client.get(self.base_url + "/health_generate")).status_code
+                        except httpx.HTTPError:
+                            status = None
+                        if self._poll_once(status):
+                            return self
+                        await anyio.sleep(0.5)
+            except _PortTaken:
+                if attempt == self.bind_retries:
+                    raise self._startup_error(f"could not bind a free port in {attempt + 1} launches") from None
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.stop)
+                raise
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------------------------------ stop
     def _signal_group(self, sig: int) -> None:
@@ -224,6 +272,12 @@ class SGLangServer:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def _log_of_this_launch(self) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(self._log_offset, f.tell() - 16 * 1024))
+            return f.read().decode("utf-8", "replace")
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
