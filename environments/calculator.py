@@ -8,6 +8,7 @@ always an integer; the reward is 1.0 when the final turn says ``<answer>N</answe
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
@@ -84,6 +85,9 @@ class CalculatorEnv(Environment):
         max_turns: turns allowed per episode.
         few_shot: put one worked example (a tool call, its result, the answer) before the problem; small
             instruct models need it to use the tool format at all.
+        show_tool_schemas: render the tool's JSON schema into the prompt (off for a model warm-started on
+            the tool, which makes the prompt ~400 tokens shorter).
+        system_prompt: replace the default system prompt ("" for none).
     """
 
     name = "calculator"
@@ -92,13 +96,17 @@ class CalculatorEnv(Environment):
         "When you know the result, reply with the final answer as <answer>NUMBER</answer>."
     )
 
-    def __init__(self, difficulty: int = 2, max_operand: int = 50, max_turns: int = 8, few_shot: bool = False) -> None:
+    def __init__(self, difficulty: int = 2, max_operand: int = 50, max_turns: int = 8, few_shot: bool = False,
+                 show_tool_schemas: bool = True, system_prompt: str | None = None) -> None:
         if not 1 <= difficulty <= 6:
             raise ValueError(f"difficulty must be in 1..6, got {difficulty}")
         if max_operand < 4:
             raise ValueError("max_operand must be >= 4")
         self.difficulty, self.max_operand, self.max_turns = difficulty, max_operand, max_turns
         self.few_shot = few_shot
+        self.show_tool_schemas = show_tool_schemas
+        if system_prompt is not None:
+            self.system_prompt = system_prompt or None
 
     def reset(self, task: Task) -> list[Message]:
         messages = super().reset(task)
@@ -140,6 +148,18 @@ class CalculatorEnv(Environment):
             out.append(Task(id=f"calc-{seed}-{i}", prompt=prompt, answer=answer,
                             info={"steps": steps, "difficulty": self.difficulty}))
         return out
+
+    def demonstration(self, task: Task) -> list[Message]:
+        """One ``calculate`` call per step (the previous result as the left operand), then the answer."""
+        messages: list[Message] = []
+        value = None
+        for step in task.info["steps"]:
+            expression = step if value is None else f"{value} {step}"
+            value = evaluate(expression)
+            call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
+            messages += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                         {"role": "tool", "content": str(value)}]
+        return messages + [{"role": "assistant", "content": f"<answer>{value}</answer>"}]
 
     def score(self, task: Task, final_text: str) -> float:
         found = ANSWER_RE.findall(final_text)

@@ -132,6 +132,48 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rollopt.errors import RolloptError
+    from rollopt.trainer.loop import Trainer
+    from rollopt.trainer.recipe import load_recipe
+
+    console = Console()
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"loop.steps={args.steps}")
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+    except RolloptError as exc:
+        print(f"train: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path("runs") / recipe.name
+    console.print(f"[bold]{recipe.name}[/]: {recipe.description}")
+    console.print(f"mode {recipe.loop.mode}, scheduler {recipe.rollout.scheduler}, engine {recipe.rollout.engine}, "
+                  f"correction {recipe.off_policy.correction}, max_staleness {recipe.off_policy.max_staleness}; "
+                  f"writing {out}")
+
+    def log(m):
+        stale = m.get("staleness/mean")
+        console.print(
+            f"step {m['step']:>3}  v{m['policy_version']:<3} reward {m['reward_mean']:.3f}"
+            + (f"  eval {m['eval_reward']:.3f}" if "eval_reward" in m else "")
+            + f"  len {m['response_length_mean']:.0f}  kl {m.get('ppo_kl', float('nan')):.1e}"
+            + (f"  stale {stale:.2f}" if stale is not None else "")
+            + f"  |Δlogp|₀ {m.get('mismatch/lag0/abs_dlogp', float('nan')):.1e}"
+            + f"  rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s")
+
+    try:
+        trainer = Trainer(recipe, out, resume=args.resume, log=log, progress=console.print)
+        anyio.run(trainer.run)
+    except RolloptError as exc:
+        print(f"train: {exc}", file=sys.stderr)
+        return 1
+    console.print(f"wrote {out / 'metrics.jsonl'}, {out / 'curves.png'}, {out / 'checkpoints'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollopt", description="Fast multi-turn, tool-using RL rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", type=Path, default=None, help="write speedup bars and timelines as PNG")
     bench.add_argument("--trace", type=Path, default=None, help="write a Perfetto trace + graph per policy here")
     bench.set_defaults(func=_cmd_bench)
+    train = sub.add_parser("train", help="train with the optimized rollout from a recipe (recipes/*.toml)")
+    train.add_argument("--recipe", type=Path, required=True, help="a TOML recipe, e.g. recipes/calculator-tiny.toml")
+    train.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
+    train.add_argument("--steps", type=int, default=None, help="shorthand for loop.steps=N")
+    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. loop.mode=sync rollout.scheduler=sync")
+    train.set_defaults(func=_cmd_train)
     serve = sub.add_parser("serve-sglang", help="run an SGLang server (sglang==0.5.23, CPU) for an HF model directory")
     serve.add_argument("--model", required=True, type=Path, help="HF model directory (config.json + safetensors)")
     serve.add_argument("--port", type=int, default=None, help="port (default: a free one)")

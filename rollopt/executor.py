@@ -117,7 +117,7 @@ class RolloutExecutor:
         self.clock = clock
         self.carry_over: list[TrajectoryRun] = []
         self._tools = env.tools()
-        self._tool_schemas = [t.schema for t in self._tools]
+        self._tool_schemas = env.prompt_tool_schemas()
 
     # ------------------------------------------------------------------------------------------ batch
     async def run(self, specs: Sequence[EpisodeSpec], target_groups: int | None = None) -> RolloutResult:

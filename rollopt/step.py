@@ -257,6 +257,9 @@ class Environment(abc.ABC):
     name: ClassVar[str] = ""
     system_prompt: ClassVar[str | None] = None
     max_turns: int = 8
+    show_tool_schemas: bool = True
+    """Render the tools' JSON schemas into the prompt. A model already trained on the tools (a warm-started
+    tiny one) may do without them: the prompt gets several hundred tokens shorter."""
     end_on_truncated_turn: ClassVar[bool] = True
     """A turn cut by ``max_new_tokens`` ends the episode as truncated (set False to let ``step`` decide)."""
 
@@ -278,6 +281,15 @@ class Environment(abc.ABC):
             messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": task.prompt})
         return messages
+
+    def prompt_tool_schemas(self) -> list[dict] | None:
+        """The tool schemas the prompt shows (``None`` when :attr:`show_tool_schemas` is off)."""
+        return [t.schema for t in self.tools()] if self.show_tool_schemas else None
+
+    def demonstration(self, task: Task) -> list[Message] | None:
+        """A worked episode for ``task`` (the assistant and tool messages after :meth:`reset`), used for a
+        supervised warm start; ``None`` (the default) when the environment has none."""
+        return None
 
     def turn_sampling(self, task: Task, turn_index: int, sampling: Any) -> Any:
         """The sampling params of one turn (default: the episode's, unchanged)."""

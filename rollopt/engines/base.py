@@ -129,6 +129,16 @@ class EngineFailure(EngineError):
         self.partial = partial
 
 
+def next_version(current: int, requested: int | None) -> int:
+    """The version an update moves to (see :meth:`Engine.update_weights`)."""
+    if requested is None:
+        return current + 1
+    if requested <= current:
+        raise BadRequestError(f"weight version {requested} is not after the engine's version {current}; "
+                              "versions only grow")
+    return requested
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     model: str
@@ -167,8 +177,9 @@ class Engine(abc.ABC):
     async def resume(self) -> None: ...
 
     @abc.abstractmethod
-    async def update_weights(self, weights: Any) -> int:
-        """Load new weights; return the new version."""
+    async def update_weights(self, weights: Any, *, version: int | None = None) -> int:
+        """Load new weights; return the new version: ``version`` when given (it must be greater than the current
+        one, e.g. when a resumed trainer re-syncs its checkpoint), else the current version + 1."""
 
     @abc.abstractmethod
     async def flush_cache(self) -> None: ...

@@ -47,6 +47,7 @@ from rollopt.engines.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    next_version,
 )
 from rollopt.engines.prefix_cache import PrefixCache
 from rollopt.engines.sampling import sample_token
@@ -293,9 +294,10 @@ class LocalEngine(Engine):
     async def resume(self) -> None:
         await self._command("resume")
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor]) -> int:
-        """Load an HF state dict between ticks; returns the new version. Clears the prefix cache."""
-        return await self._command("update_weights", weights)
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+        """Load an HF state dict between ticks; returns the new version (see :meth:`Engine.update_weights`).
+        Clears the prefix cache. The engine copies the tensors, so the caller may go on mutating its own."""
+        return await self._command("update_weights", (weights, next_version(self.version, version)))
 
     async def flush_cache(self) -> None:
         await self._command("flush_cache")
@@ -366,8 +368,8 @@ class LocalEngine(Engine):
         elif name == "resume":
             self._paused = None
         elif name == "update_weights":
-            self.model.load_state_dict(arg)
-            self.version += 1
+            weights, self.version = arg
+            self.model.load_state_dict(weights)
             self.prefix_cache.clear()
             return self.version
         elif name == "flush_cache":

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 
 from rollopt.engines.base import (
-    Engine, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode,
+    Engine, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode, next_version,
 )
 
 Script = Callable[[GenerateRequest], list[int]]
@@ -94,8 +94,8 @@ class ScriptedEngine(Engine):
     async def resume(self) -> None:
         self._running.set()
 
-    async def update_weights(self, weights: Any) -> int:
-        self.version += 1
+    async def update_weights(self, weights: Any, *, version: int | None = None) -> int:
+        self.version = next_version(self.version, version)
         return self.version
 
     async def flush_cache(self) -> None:

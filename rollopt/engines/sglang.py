@@ -80,6 +80,7 @@ from rollopt.engines.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    next_version,
 )
 from rollopt.errors import BadRequestError, ConfigError, EngineError
 
@@ -498,20 +499,20 @@ class SGLangEngine(Engine):
         await self._post("/continue_generation", {})
         self._paused = None
 
-    async def update_weights(self, weights: Any) -> int:
+    async def update_weights(self, weights: Any, *, version: int | None = None) -> int:
         """``weights``: a checkpoint directory (``str`` / ``Path``, loaded by the server from its disk) or a state
         dict of HF parameter names to tensors. Returns the new version; see the module docstring."""
         if isinstance(weights, (str, Path)):
-            return await self.update_weights_from_disk(weights)
+            return await self.update_weights_from_disk(weights, version=version)
         if isinstance(weights, Mapping):
-            return await self.update_weights_from_tensor(weights)
+            return await self.update_weights_from_tensor(weights, version=version)
         raise BadRequestError(f"update_weights takes a checkpoint path or a state dict, got {type(weights).__name__}")
 
-    async def _versioned_update(self, apply) -> int:
+    async def _versioned_update(self, apply, version: int | None = None) -> int:
         """Run ``apply(version_tag)`` with the server paused in retract mode, then resume unless the caller had
         paused; bump the version only on success."""
         async with self._update_lock:
-            new_version = self.version + 1
+            new_version = next_version(self.version, version)
             before = self._paused
             if before in (None, "in_place"):
                 await self._post("/pause_generation", {"mode": "retract"})
@@ -526,15 +527,17 @@ class SGLangEngine(Engine):
             self.version = new_version
             return new_version
 
-    async def update_weights_from_disk(self, model_path: str | Path, load_format: str | None = None) -> int:
+    async def update_weights_from_disk(self, model_path: str | Path, load_format: str | None = None, *,
+                                       version: int | None = None) -> int:
         async def apply(tag: str) -> None:
             body: dict[str, Any] = {"model_path": str(model_path), "weight_version": tag, "flush_cache": True}
             if load_format is not None:
                 body["load_format"] = load_format
             await self._post("/update_weights_from_disk", body)
-        return await self._versioned_update(apply)
+        return await self._versioned_update(apply, version)
 
-    async def update_weights_from_tensor(self, state_dict: Mapping[str, Any], load_format: str | None = None) -> int:
+    async def update_weights_from_tensor(self, state_dict: Mapping[str, Any], load_format: str | None = None, *,
+                                         version: int | None = None) -> int:
         payload = await anyio.to_thread.run_sync(serialize_named_tensors, state_dict)
 
         async def apply(tag: str) -> None:
@@ -548,7 +551,7 @@ class SGLangEngine(Engine):
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._post("/end_weight_update", {})
-        return await self._versioned_update(apply)
+        return await self._versioned_update(apply, version)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update_group",

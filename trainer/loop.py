@@ -1,0 +1,272 @@
+"""The training loop: rollout (any scheduler) → batch → policy update → weight sync → version + 1.
+
+Modes (``loop.mode``), by how far the rollout may run ahead of the trainer:
+
+* ``sync``: roll out step k with version k−1's weights, train, sync, then roll out step k+1. On-policy up to
+  inference numerics: every token has staleness 0.
+* ``one-step-off``: the rollout of step k+1 runs while step k trains (one batch ahead). The sync after step k
+  lands between two engine ticks of that rollout, so its tokens carry version k−1 or k: staleness ≤ 1.
+* ``async``: the rollout runs up to ``off_policy.max_staleness`` batches ahead, continuously; preempted
+  stragglers resume in a later batch under newer weights, so one trajectory can span several versions.
+  Tokens that lag more than ``max_staleness`` are dropped or down-weighted by the correction.
+
+Each token's version comes from the engine (``versions[t]``); staleness is the trainer's version at update
+time minus that. The correction (:mod:`rollopt.trainer.offpolicy`) uses it and the behavior logprobs.
+
+Failure policy: a trajectory that *failed* (engine or environment error, no reward) takes its whole group out
+of the update (counted in ``dropped_groups``); the rest of the batch trains. Truncated episodes were scored
+by the environment like any other.
+
+Outputs in ``out_dir``: ``metrics.jsonl`` (one line per step), ``recipe.toml`` (as resolved),
+``checkpoints/`` (see :mod:`rollopt.trainer.checkpoint`) and ``curves.png``. Resuming (``resume=True``) loads
+``checkpoints/latest``, truncates ``metrics.jsonl`` to its step and continues with the next step; in ``sync``
+mode the continued run is identical to an uninterrupted one (seeded tasks and sampling, batch-invariant
+engine, restored RNG and optimizer).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import anyio
+import torch
+
+from rollopt.chat import ChatRenderer
+from rollopt.engines.base import Engine, SamplingParams
+from rollopt.environments import build_environment
+from rollopt.executor import EpisodeSpec, RolloutExecutor, TrajectoryRun, episode_specs
+from rollopt.trajectory import Status, Trajectory
+from rollopt.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from rollopt.trainer.metrics import rollout_metrics
+from rollopt.trainer.recipe import Recipe
+from rollopt.trainer.update import UpdateConfig, policy_update
+from rollopt.trainer.warm_start import warm_start
+
+
+@dataclass
+class RolloutBatch:
+    """What the rollout hands the trainer for one step."""
+
+    step: int
+    trajectories: list[Trajectory]
+    rollout_s: float
+    preempted: int
+    carried_over: int
+    carry_snapshot: list[TrajectoryRun] = field(default_factory=list)  # the buffer right after this rollout
+
+
+def snapshot_carry_over(runs: list[TrajectoryRun]) -> list[TrajectoryRun]:
+    """Picklable deep copies of carried-over trajectories (no live cancel scopes or tool slots: a suspended
+    trajectory has none)."""
+    return [replace(r, traj=copy.deepcopy(r.traj), pending=copy.deepcopy(r.pending), tool_scopes=[],
+                    early_tools={}, rid=None) for r in runs]
+
+
+def build_trainable(recipe: Recipe):
+    """``(hf_model, tokenizer, name)`` for the recipe's model section; the model is in fp32 train-ready form."""
+    from rollopt.modeling.tiny import build_model, build_tokenizer
+
+    m = recipe.model
+    if m.spec == "tiny":
+        tokenizer = build_tokenizer()
+        model = build_model(len(tokenizer), hidden_size=m.hidden_size, num_layers=m.num_layers,
+                            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
+                            init_scale=m.init_scale, seed=recipe.loop.seed, eos_token_id=tokenizer.eos_token_id)
+        return model, tokenizer, "tiny-llama"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollopt.modeling.loading import smollm2_dir
+
+    path = smollm2_dir() if m.spec == "smollm2" else Path(m.spec)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(path), ("SmolLM2-135M-Instruct" if m.spec == "smollm2" else str(path))
+
+
+def engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the trainer's weights for the engine (the optimizer keeps mutating the originals)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Trainer:
+    """Runs a recipe; see the module docstring. ``log`` receives each step's metrics dict as it is written."""
+
+    def __init__(self, recipe: Recipe, out_dir: str | Path, resume: bool = False,
+                 log: Callable[[dict[str, Any]], None] = lambda m: None,
+                 progress: Callable[[str], None] = lambda msg: None) -> None:
+        self.recipe, self.out_dir, self.log, self.progress = recipe, Path(out_dir), log, progress
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(recipe.loop.seed)
+        self.model, self.tokenizer, self.model_name = build_trainable(recipe)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.env = build_environment(recipe.environment.name, **recipe.environment.options)
+        a = recipe.algorithm
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
+                                           betas=tuple(a.adam_betas))
+        self.update_config = UpdateConfig(advantage=a.advantage, loss_agg=a.loss_agg, eps_low=a.eps_low,
+                                          eps_high=a.eps_high, dual_clip_c=a.dual_clip_c, grad_clip=a.grad_clip,
+                                          minibatches=a.minibatches, micro_batch=a.micro_batch,
+                                          temperature=recipe.rollout.temperature)
+        self.state = TrainState(step=0, version=0)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        checkpoint = latest_checkpoint(self.out_dir / "checkpoints") if resume else None
+        if checkpoint is not None:
+            self.state = load_checkpoint(checkpoint, self.model, self.optimizer)
+            self._truncate_metrics(self.state.step)
+            self.progress(f"resumed from {checkpoint} (step {self.state.step}, version {self.state.version})")
+        else:
+            if resume:
+                self.progress("no checkpoint to resume from; starting fresh")
+            self.metrics_path.write_text("")
+            ws = recipe.warm_start
+            if ws.steps:
+                self.progress(f"warm start: {ws.steps} supervised steps on demonstrations")
+                losses = warm_start(self.model, self.env, self.renderer, ws.steps, ws.batch_size, ws.lr,
+                                    ws.tasks_seed)
+                self.progress(f"warm start done, loss {losses[0]:.3f} → {losses[-1]:.3f}")
+        (self.out_dir / "recipe.toml").write_text(recipe.to_toml())
+        self.pad_token_id = self.tokenizer.pad_token_id or 0
+
+    def _truncate_metrics(self, step: int) -> None:
+        if not self.metrics_path.exists():
+            return
+        keep = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in keep))
+
+    # ------------------------------------------------------------------------------------------ rollout
+    def specs_for_step(self, step: int) -> list[EpisodeSpec]:
+        r, seed = self.recipe.rollout, self.recipe.loop.seed
+        tasks = self.env.tasks(r.tasks_per_step + r.extra_groups, seed * 1_000_003 + step)
+        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
+        return episode_specs(tasks, r.group_size, sampling, seed * 1_000_003 + step)
+
+    async def rollout(self, executor: RolloutExecutor, step: int) -> RolloutBatch:
+        started = time.perf_counter()
+        result = await executor.run(self.specs_for_step(step), target_groups=self.recipe.rollout.tasks_per_step)
+        return RolloutBatch(step, result.trajectories, time.perf_counter() - started, result.preempted,
+                            result.carried_over, snapshot_carry_over(executor.carry_over))
+
+    async def evaluate(self, engine: Engine) -> float:
+        """Greedy reward on ``rollout.eval_tasks`` held-out tasks (a seed no training step uses)."""
+        r = self.recipe.rollout
+        tasks = self.env.tasks(r.eval_tasks, 7_777_777 + self.recipe.loop.seed)
+        specs = episode_specs(tasks, 1, SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0), 0)
+        result = await RolloutExecutor(self.env, engine, self.renderer, "overlap+prefix").run(specs)
+        return sum(t.reward or 0.0 for t in result.trajectories) / max(len(result.trajectories), 1)
+
+    # ------------------------------------------------------------------------------------------ train
+    def _trainable(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], int]:
+        bad_groups = {t.group_id for t in trajectories if t.status is Status.FAILED or t.reward is None}
+        return [t for t in trajectories if t.group_id not in bad_groups], len(bad_groups)
+
+    async def train_step(self, engine: Engine, batch: RolloutBatch, step_started: float) -> dict[str, Any]:
+        trajs, dropped = self._trainable(batch.trajectories)
+        metrics: dict[str, Any] = {"step": batch.step, **rollout_metrics(batch.trajectories),
+                                   "dropped_groups": dropped, "preempted": batch.preempted,
+                                   "carried_over": batch.carried_over, "rollout_s": batch.rollout_s}
+        t0 = time.perf_counter()
+        if trajs:
+            current = self.state.version
+            update = await anyio.to_thread.run_sync(
+                lambda: policy_update(self.model, self.optimizer, trajs, current, self.update_config,
+                                      self.recipe.off_policy, self.pad_token_id))
+            metrics.update(update)
+        t1 = time.perf_counter()
+        self.state.version = await engine.update_weights(engine_weights(self.model), version=self.state.version + 1)
+        self.state.step = batch.step
+        metrics.update({"policy_version": self.state.version, "train_s": t1 - t0,
+                        "sync_s": time.perf_counter() - t1, "step_s": time.perf_counter() - step_started,
+                        "off_policy_correction": self.recipe.off_policy.correction})
+        r = self.recipe.rollout
+        if r.eval_tasks and (batch.step % r.eval_every == 0 or batch.step == self.recipe.loop.steps):
+            metrics["eval_reward"] = await self.evaluate(engine)
+        with open(self.metrics_path, "a") as f:  # before the checkpoint: a resume truncates what it lacks
+            f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                for k, v in metrics.items()}) + "\n")
+        if batch.step % self.recipe.loop.checkpoint_every == 0 or batch.step == self.recipe.loop.steps:
+            self.state.carry_over = batch.carry_snapshot
+            await anyio.to_thread.run_sync(save_checkpoint, self.out_dir / "checkpoints", self.model,
+                                           self.optimizer, self.state)
+        self.log(metrics)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ run
+    async def run_with_engine(self, engine: Engine) -> list[dict[str, Any]]:
+        """Train until ``loop.steps`` on a started engine that holds this trainer's current weights."""
+        recipe, out = self.recipe, []
+        if self.state.version > (await engine.info()).version:
+            await engine.update_weights(engine_weights(self.model), version=self.state.version)
+        executor = RolloutExecutor(self.env, engine, self.renderer, recipe.rollout.scheduler)
+        executor.carry_over = snapshot_carry_over(self.state.carry_over)
+        first, last = self.state.step + 1, recipe.loop.steps
+        if first > last:
+            return out
+        if recipe.max_ahead == 0:
+            for step in range(first, last + 1):
+                started = time.perf_counter()
+                out.append(await self.train_step(engine, await self.rollout(executor, step), started))
+            return out
+        send, receive = anyio.create_memory_object_stream[RolloutBatch](recipe.max_ahead - 1)
+
+        async def produce() -> None:
+            async with send:
+                for step in range(first, last + 1):
+                    await send.send(await self.rollout(executor, step))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            async with receive:
+                started = time.perf_counter()
+                async for batch in receive:
+                    out.append(await self.train_step(engine, batch, started))
+                    started = time.perf_counter()
+        return out
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Start the recipe's engine with the current weights, train, stop the engine; write ``curves.png``."""
+        from rollopt.trainer.plots import plot_curves
+
+        async with self._engine() as engine:
+            out = await self.run_with_engine(engine)
+        plot_curves(self.metrics_path, self.out_dir / "curves.png", title=self.recipe.name)
+        return out
+
+    def _engine(self):
+        from contextlib import asynccontextmanager
+
+        r = self.recipe.rollout
+
+        @asynccontextmanager
+        async def local():
+            from rollopt.engines.local import LocalEngine, LocalEngineConfig
+
+            cfg = LocalEngineConfig(max_running=r.max_running, max_context=2048, batch_invariant=True,
+                                    seed=self.recipe.loop.seed)
+            engine = LocalEngine(self.model.config, engine_weights(self.model), cfg, tokenizer=self.tokenizer,
+                                 model_name=self.model_name)
+            async with engine:
+                yield engine
+
+        @asynccontextmanager
+        async def sglang():
+            import tempfile
+
+            from rollopt.engines.sglang import SGLangEngine
+            from rollopt.engines.sglang_server import SGLangServer
+
+            with tempfile.TemporaryDirectory(prefix="rollopt-train-") as tmp:
+                self.model.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                self.progress("starting an SGLang server")
+                async with SGLangServer(tmp, extra_args=list(r.sglang_args), device=r.sglang_device,
+                                        log_path=self.out_dir / "sglang.log") as server:
+                    async with SGLangEngine(server.base_url) as engine:
+                        yield engine
+
+        return local() if r.engine == "local" else sglang()

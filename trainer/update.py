@@ -1,0 +1,130 @@
+"""One policy update on a batch of scored trajectories: advantages → off-policy correction → PPO loss →
+optimizer step(s). Everything here is synchronous torch; the loop runs it in a worker thread.
+
+Order of operations (all on the trainer's weights at version ``current_version``):
+
+1. group-relative advantages per trajectory (:mod:`rollopt.trainer.advantages`), broadcast to its tokens;
+2. the proximal logprobs: the batch scored with the pre-update weights, no grad (also the trainer side of
+   the mismatch metrics, so it is always computed);
+3. the correction (:func:`rollopt.trainer.offpolicy.correct`): the ratio's ``old`` logprobs, token weights,
+   and the staleness-bounded mask;
+4. ``minibatches`` optimizer steps, each over its share of rows, accumulated over ``micro_batch``-row
+   forwards whose losses use the minibatch's token/sequence counts (so the split does not change the loss).
+
+At the first minibatch the weights are still the proximal ones, so ``ppo_kl`` (approx KL of π_old‖π_θ) is
+exactly 0 and ``clip_frac`` 0: the on-policy sanity check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rollopt.batch import TrainBatch, collate
+from rollopt.trajectory import Trajectory
+from rollopt.trainer.advantages import compute_advantages
+from rollopt.trainer.losses import aggregate_loss, ppo_policy_loss
+from rollopt.trainer.metrics import mismatch_by_staleness
+from rollopt.trainer.offpolicy import OffPolicyConfig, correct
+from rollopt.trainer.scoring import score
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    advantage: str = "grpo"
+    loss_agg: str = "token-mean"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = 3.0
+    grad_clip: float = 1.0
+    minibatches: int = 1
+    micro_batch: int = 16
+    temperature: float = 1.0  # the sampling temperature: the engine's logprobs are of logits / temperature
+
+
+def token_advantages(trajectories: Sequence[Trajectory], batch: TrainBatch, estimator: str) -> torch.Tensor:
+    """``[B, T]``: each trajectory's advantage on every position (masked later)."""
+    per_traj = compute_advantages(trajectories, estimator)
+    return torch.from_numpy(np.asarray(per_traj, np.float32))[:, None].expand_as(batch.behavior_logprobs).clone()
+
+
+class _Tempered(torch.nn.Module):
+    """A view of an HF causal LM whose logits are divided by the sampling temperature."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model, self.temperature = model, temperature
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        if self.temperature != 1.0:
+            out.logits = out.logits / self.temperature
+        return out
+
+
+def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trajectories: Sequence[Trajectory],
+                  current_version: int, config: UpdateConfig, off_policy: OffPolicyConfig,
+                  pad_token_id: int = 0) -> dict[str, float]:
+    """Update ``model`` in place on ``trajectories`` (see the module docstring); returns step metrics."""
+    if not trajectories:
+        raise ValueError("policy_update() needs at least one trajectory")
+    scorer = _Tempered(model, config.temperature)
+    batch = collate(trajectories, "padded", pad_token_id=pad_token_id)
+    advantages = token_advantages(trajectories, batch, config.advantage)
+    model.eval()  # no dropout in the scored policies: π_prox and π_θ must be the same function at step 0
+    with torch.no_grad():
+        proximal, _ = score(scorer, batch, micro_batch=config.micro_batch)
+    fix = correct(batch.behavior_logprobs, proximal, batch.versions, batch.loss_mask, current_version, off_policy)
+    metrics = mismatch_by_staleness(batch.behavior_logprobs, proximal, batch.versions, batch.loss_mask,
+                                    current_version)
+    rows = batch.input_ids.shape[0]
+    bounds = np.linspace(0, rows, config.minibatches + 1).round().astype(int)
+    sums = {"loss": 0.0, "clip_frac": 0.0, "dual_clip_frac": 0.0, "entropy": 0.0}
+    first_kl, grad_norms, tokens_seen = None, [], 0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        mask_mb = fix.mask[lo:hi]
+        num_tokens, num_seqs = int(mask_mb.sum()), hi - lo
+        if num_tokens == 0:
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        kl_sum = 0.0
+        for start in range(lo, hi, config.micro_batch):
+            sl = slice(start, min(start + config.micro_batch, hi))
+            logprobs, entropy = score(scorer, batch, rows=sl, with_entropy=True)
+            m = fix.mask[sl]
+            out = ppo_policy_loss(logprobs, fix.old_logprobs[sl], advantages[sl], m, fix.weights[sl],
+                                  config.eps_low, config.eps_high, config.dual_clip_c)
+            loss = aggregate_loss(out.loss_per_token, m, config.loss_agg, num_tokens, num_seqs)
+            loss.backward()
+            n = int(m.sum())
+            sums["loss"] += loss.detach().item()
+            sums["clip_frac"] += out.clip_frac.item() * n
+            sums["dual_clip_frac"] += out.dual_clip_frac.item() * n
+            sums["entropy"] += torch.where(m, entropy, torch.zeros_like(entropy)).sum().detach().item()
+            kl_sum += out.approx_kl.item() * n
+            tokens_seen += n
+        if first_kl is None:
+            first_kl = kl_sum / num_tokens
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        grad_norms.append(float(norm))
+        optimizer.step()
+    model.eval()
+    seen = max(tokens_seen, 1)
+    metrics.update({
+        "loss": sums["loss"] / max(len(grad_norms), 1),
+        "clip_frac": sums["clip_frac"] / seen,
+        "dual_clip_frac": sums["dual_clip_frac"] / seen,
+        "entropy": sums["entropy"] / seen,
+        "ppo_kl": first_kl if first_kl is not None else math.nan,
+        "grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
+        "is_weight_mean": fix.is_weight_mean,
+        "is_clipped_frac": fix.is_clipped_frac,
+        "stale_dropped_tokens": float(fix.stale_dropped),
+        "train_tokens": float(tokens_seen),
+        "advantage_abs_mean": float(advantages[:, 0].abs().mean()),
+    })
+    return metrics
