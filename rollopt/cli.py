@@ -174,6 +174,44 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_validate(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from rollopt.errors import RolloptError
+    from rollopt.schedulers import SCHEDULERS
+    from rollopt.validate import validate
+
+    console = Console()
+    if args.engine != "local":
+        print("validate: only --engine local is implemented (exact parity needs the batch-invariant embedded "
+              "engine); SGLang validation is an open item", file=sys.stderr)
+        return 2
+    specs = sorted(SCHEDULERS) if args.all or not args.scheduler else [args.scheduler]
+    table = Table(title="rollopt validate · local · tiny-llama")
+    for col in ("scheduler", "risk", "check", "passed", "statistic", "p", "n"):
+        table.add_column(col, justify="right")
+
+    def row(r):
+        console.print(f"{r.scheduler:>24} {r.check:<13} {'pass' if r.passed else 'FAIL'}")
+        table.add_row(r.scheduler, r.risk_class or "-", r.check, "yes" if r.passed else "[red]NO[/]",
+                      f"{r.statistic:.3g}", "-" if r.p_value is None else f"{r.p_value:.3g}", str(r.n))
+
+    try:
+        results = anyio.run(validate, specs, None, row)
+    except RolloptError as exc:
+        print(f"validate: {exc}", file=sys.stderr)
+        return 2
+    console.print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2))
+        console.print(f"wrote {args.json}")
+    return 0 if all(r.passed for r in results) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollopt", description="Fast multi-turn, tool-using RL rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -206,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="shorthand for loop.steps=N")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. loop.mode=sync rollout.scheduler=sync")
     train.set_defaults(func=_cmd_train)
+    validate = sub.add_parser("validate", help="check that each policy keeps the semantics of its risk class")
+    validate.add_argument("--scheduler", default=None, help="one policy (e.g. overlap+prefix); default: --all")
+    validate.add_argument("--all", action="store_true", help="every registered policy")
+    validate.add_argument("--engine", default="local", choices=["local", "sglang"], help="only local for now")
+    validate.add_argument("--json", type=Path, default=None, help="write one record per check")
+    validate.set_defaults(func=_cmd_validate)
     serve = sub.add_parser("serve-sglang", help="run an SGLang server (sglang==0.5.23, CPU) for an HF model directory")
     serve.add_argument("--model", required=True, type=Path, help="HF model directory (config.json + safetensors)")
     serve.add_argument("--port", type=int, default=None, help="port (default: a free one)")

@@ -263,7 +263,8 @@ class RolloutExecutor:
     async def _generate(self, run: TrajectoryRun) -> bool:
         """Decode (or resume) the current turn. Returns False if the trajectory was preempted."""
         traj = run.traj
-        sampling = self.env.turn_sampling(run.spec.task, run.turn, run.spec.sampling)
+        sampling = self.policy.sampling(self.view(), run.id,
+                                        self.env.turn_sampling(run.spec.task, run.turn, run.spec.sampling))
         if run.turn_start is None:
             run.turn_start, run.segments = len(traj), 0
         run.suspended = False

@@ -10,7 +10,10 @@ A policy owns no tasks, clients or clocks. The executor (``rollopt.executor``) c
 * ``shared_prefill``: prefill a shared prefix (a GRPO group's prompt, a tree fork point) once before the
   children that share it start;
 * ``priority(view, tid)``: engine priority of the trajectory's next request (higher runs first);
-* ``preempt(view)``: which running trajectories to abort now; they keep every token and are carried over.
+* ``preempt(view)``: which running trajectories to abort now; they keep every token and are carried over;
+* ``sampling(view, tid, params)``: the sampling params of the trajectory's next turn (default: unchanged).
+  A policy that changes them changes what is sampled, and its risk class must say so (``rollopt validate``
+  checks it).
 
 Every policy declares its :class:`RiskClass`; a policy without one cannot be registered.
 """
@@ -105,6 +108,9 @@ class Policy:
     def preempt(self, view: RolloutView) -> set[str]:
         return set()
 
+    def sampling(self, view: RolloutView, tid: str, params):
+        return params
+
     def describe(self) -> str:
         return f"{self.name} ({self.risk_class.value if self.risk_class else 'no risk class'})"
 
@@ -135,3 +141,8 @@ class CompositePolicy(Policy):
 
     def preempt(self, view: RolloutView) -> set[str]:
         return set().union(*(p.preempt(view) for p in self.parts))
+
+    def sampling(self, view: RolloutView, tid: str, params):
+        for p in self.parts:
+            params = p.sampling(view, tid, params)
+        return params

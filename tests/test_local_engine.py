@@ -271,3 +271,23 @@ async def test_bf16_engine_tracks_fp32(peaked_model):
     assert bf16.kv.k.dtype == torch.bfloat16
     assert a.output_ids[:4] == b.output_ids[:4]  # peaked logits: the first tokens agree despite bf16 rounding
     assert abs(a.logprobs[0] - b.logprobs[0]) < 0.1
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+async def test_invariant_prefill_makes_a_resumed_prefix_bit_identical_to_its_decode(peaked_model, invariant):
+    """A continuation prefilled from prompt + generated tokens (no cache: another engine) gives the very next
+    logprobs of the uninterrupted decode, bit for bit, only with invariant_prefill; without it the prefilled KV
+    differs in the last bits (different matmul shapes), which is what can flip a near-tie greedy token."""
+    ids = prompt(40, seed=5)
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    async with engine(peaked_model, invariant_prefill=invariant, prefix_cache_tokens=0) as eng:
+        full = await eng.generate(GenerateRequest("full", ids, params))
+    diffs = []
+    for k in (3, 11, 17):
+        async with engine(peaked_model, invariant_prefill=invariant, prefix_cache_tokens=0) as eng:
+            rest = await eng.generate(GenerateRequest("r", ids + tuple(full.output_ids[:k]),
+                                                      SamplingParams(max_new_tokens=24 - k, temperature=0,
+                                                                     ignore_eos=True)))
+        assert rest.output_ids == full.output_ids[k:]
+        diffs += [abs(a - b) for a, b in zip(rest.logprobs, full.logprobs[k:])]
+    assert (max(diffs) == 0.0) is invariant

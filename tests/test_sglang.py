@@ -437,3 +437,24 @@ async def test_schedulers_on_the_real_server(sglang_server, tiny_dir):
     assert {t.id for t in second.trajectories} == carried
     held = sum(t.num_generated for t in first.trajectories + second.trajectories)
     assert held == first.tokens_streamed + second.tokens_streamed  # no token lost or duplicated
+
+
+async def test_training_on_a_real_sglang_server_syncs_weights_every_step(tmp_path):
+    """`rollopt train` with rollout.engine = "sglang": the trainer starts a server for its weights, pushes
+    each update with /update_weights_from_tensor, and the next step's tokens carry the new version and
+    match the trainer's logprobs (they would not if the server still sampled with the old weights)."""
+    import json
+
+    from rollopt.trainer.loop import Trainer
+    from rollopt.trainer.recipe import load_recipe
+
+    recipe = load_recipe(None, [
+        "environment.name=synthetic", "environment.options.turns=[2, 2]", "environment.options.tokens_per_turn=[6, 10]",
+        "environment.options.tool_latency_s=0.01", "environment.options.prompt_words=8", "model.init_scale=0.3",
+        "rollout.engine=sglang", "rollout.scheduler=overlap", "rollout.tasks_per_step=2", "rollout.group_size=4",
+        "rollout.temperature=0.8", "loop.steps=3", "algorithm.lr=3e-3", "algorithm.micro_batch=8"])
+    await Trainer(recipe, tmp_path).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    assert all(r["staleness/max"] == 0 and r["grad_norm"] > 0 for r in rows)
+    assert all(r["mismatch/lag0/abs_dlogp"] < 1e-3 for r in rows), [r["mismatch/lag0/abs_dlogp"] for r in rows]

@@ -150,3 +150,12 @@ def test_killed_training_resumes_from_its_checkpoint_at_the_same_step(tmp_path, 
     assert [r["step"] for r in b] == [1, 2, 3, 4] and [r["policy_version"] for r in b] == [1, 2, 3, 4]
     keys = ("reward_mean", "response_length_mean", "loss", "grad_norm", "train_tokens")
     assert [[r[k] for k in keys] for r in b] == [[r[k] for k in keys] for r in a]  # identical to the straight run
+
+
+def test_train_cli_reports_a_bad_recipe_and_names_the_fix(tmp_path, capsys, recipe_path):
+    from rollopt.cli import main
+
+    assert main(["train", "--recipe", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist; see recipes/" in capsys.readouterr().err
+    assert main(["train", "--recipe", str(recipe_path), "loop.mode=asynch"]) == 2
+    assert "loop.mode 'asynch'; use one of" in capsys.readouterr().err

@@ -172,6 +172,9 @@ class Trainer:
                                    "carried_over": batch.carried_over, "rollout_s": batch.rollout_s}
         t0 = time.perf_counter()
         if trajs:
+            a = self.recipe.algorithm
+            for group in self.optimizer.param_groups:  # a function of the step, so a resume gets the same rate
+                group["lr"] = a.lr * (min(1.0, batch.step / a.lr_warmup_steps) if a.lr_warmup_steps else 1.0)
             current = self.state.version
             update = await anyio.to_thread.run_sync(
                 lambda: policy_update(self.model, self.optimizer, trajs, current, self.update_config,
@@ -247,7 +250,7 @@ class Trainer:
             from rollopt.engines.local import LocalEngine, LocalEngineConfig
 
             cfg = LocalEngineConfig(max_running=r.max_running, max_context=2048, batch_invariant=True,
-                                    seed=self.recipe.loop.seed)
+                                    invariant_prefill=r.invariant_prefill, seed=self.recipe.loop.seed)
             engine = LocalEngine(self.model.config, engine_weights(self.model), cfg, tokenizer=self.tokenizer,
                                  model_name=self.model_name)
             async with engine:

@@ -55,6 +55,7 @@ class RolloutSection:
     max_new_tokens: int = 64  # per turn
     temperature: float = 1.0
     max_running: int = 64
+    invariant_prefill: bool = False  # local engine: bit-exact KV however computed (slower prefill; see engines.local)
     sglang_device: str = "cpu"  # engine = "sglang": the server's --device ("cuda" on a GPU machine)
     sglang_args: tuple[str, ...] = ("--dtype", "float32")  # more sglang.launch_server flags
     eval_tasks: int = 0  # greedy evaluation on this many held-out tasks every eval_every steps (0: none)
@@ -69,6 +70,7 @@ class AlgorithmSection:
     eps_high: float = 0.28
     dual_clip_c: float | None = 3.0
     lr: float = 1e-3
+    lr_warmup_steps: int = 0  # linear warm-up of the learning rate over this many training steps
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     minibatches: int = 1  # optimizer steps per batch

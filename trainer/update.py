@@ -126,5 +126,6 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
         "stale_dropped_tokens": float(fix.stale_dropped),
         "train_tokens": float(tokens_seen),
         "advantage_abs_mean": float(advantages[:, 0].abs().mean()),
+        "lr": optimizer.param_groups[0]["lr"],
     })
     return metrics

@@ -70,6 +70,9 @@ class LocalEngineConfig:
         batch_invariant: a request's tokens and logprobs do not depend on which other requests share its
             decode steps (fixed-size matmul tiles, per-row attention; see rollopt.modeling.llama). Off is
             faster for tiny models; R1 token parity between schedulers relies on it being on.
+        invariant_prefill: prefill with decode's kernels too (16-row tiles, per-token attention), so KV does not
+            depend on how a prefix was computed (chunk, decode, cache hit) and greedy output does not depend on
+            the timing of cache hits. Exact R1 parity across schedulers needs it; prefill is several times slower.
         seed: seeds requests that give no seed of their own (request n gets ``seed + n``).
         defer_shared_prefill: admit a request whose first block matches a request still prefilling only
             after that prefill, so it reuses the KV (like SGLang's in-batch prefix caching).
@@ -83,6 +86,7 @@ class LocalEngineConfig:
     kv_budget_mb: float = 4096
     dtype: str = "float32"
     batch_invariant: bool = True
+    invariant_prefill: bool = False
     seed: int = 0
     defer_shared_prefill: bool = True
 
@@ -172,7 +176,8 @@ class LocalEngine(Engine):
                  tokenizer: Any = None, model_name: str = "local") -> None:
         self.engine_config = cfg = engine_config or LocalEngineConfig()
         dtype = cfg.torch_dtype()
-        self.model = LlamaModel(config, state_dict, dtype, batch_invariant=cfg.batch_invariant)
+        self.model = LlamaModel(config, state_dict, dtype, batch_invariant=cfg.batch_invariant,
+                                invariant_prefill=cfg.invariant_prefill)
         cfg.validate(self.model.shape.kv_bytes_per_token(dtype))
         self.tokenizer = tokenizer
         self.model_name = model_name

@@ -13,7 +13,10 @@ a padded batch reduces over the padded length, so a decode row's logits would de
 relative, enough to move logprobs by >1e-5 on peaked models) on which other requests share the step. With
 ``batch_invariant`` on, every decode matmul runs on blocks of exactly ``INVARIANT_TILE`` rows (the batch is
 zero-padded) and attention runs row by row over each row's own length, so a row's result is bit-identical
-whatever the batch. Off, decode uses one padded, masked attention call (faster for tiny models).
+whatever the batch. ``invariant_prefill`` extends this to prefill: its matmuls use the same tiles and each
+query token's attention is computed exactly as decode computes it, so a token's KV and logits are the same
+bits whether it was prefilled (in any chunk), decoded or taken from the prefix cache. Without it, which
+requests hit the prefix cache (a timing matter) can flip a near-tie greedy token. Off, decode uses one padded, masked attention call (faster for tiny models).
 
 KV layout (see :class:`SlotKV`): ``k[layer]`` is ``[slots, kv_heads, max_context, head_dim]``; a request owns
 one slot and its KV for positions ``[0, filled)``.
@@ -106,9 +109,10 @@ class LlamaModel:
     """Weights plus the two forward passes the engine needs. Not an ``nn.Module``: inference only."""
 
     def __init__(self, config, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 batch_invariant: bool = True) -> None:
+                 batch_invariant: bool = True, invariant_prefill: bool = False) -> None:
         self.config = config
         self.batch_invariant = batch_invariant
+        self.invariant_prefill = invariant_prefill and batch_invariant
         self.shape = ModelShape.from_hf_config(config)
         self.dtype = dtype
         inv_freq, self.attention_scaling = rope_inv_freq(config, self.shape.head_dim)
@@ -218,17 +222,27 @@ class LlamaModel:
         n = tokens.shape[0]
         positions = torch.arange(start, start + n)[None]
         h = self.embed[tokens][None]
+        tiled = self.invariant_prefill
         # query i (position start+i) attends to keys 0..start+i
         mask = torch.arange(start + n)[None, :] <= positions[0][:, None]
+        s = self.shape
+        group = s.num_heads // s.num_kv_heads
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h, positions, tiled=False)
+            q, k, v = self._qkv(layer, h, positions, tiled=tiled)
             kv.k[li, slot, :, start:start + n] = k[0]
             kv.v[li, slot, :, start:start + n] = v[0]
             keys = kv.k[li, slot:slot + 1, :, :start + n]
             vals = kv.v[li, slot:slot + 1, :, :start + n]
-            attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
-            h = self._finish_layer(layer, h, attn, tiled=False)
-        return self._logits(h[0, -1], tiled=False)
+            if tiled:  # each query token exactly as decode computes it: its group folded, over its own keys
+                attn = torch.empty_like(q)
+                for i in range(n):
+                    qg = q[:, :, i].reshape(1, s.num_kv_heads, group, s.head_dim)
+                    out = F.scaled_dot_product_attention(qg, keys[:, :, :start + i + 1], vals[:, :, :start + i + 1])
+                    attn[:, :, i] = out.reshape(1, s.num_heads, s.head_dim)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+            h = self._finish_layer(layer, h, attn, tiled=tiled)
+        return self._logits(h[0, -1:], tiled=tiled)[0]
 
     @torch.inference_mode()
     def decode(self, kv: SlotKV, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,286 @@
+"""``rollopt validate``: prove that each scheduling policy keeps the learning semantics its risk class promises.
+
+Every check runs the policy and the ``sync`` baseline on the *same* seeded workload (same tasks, same
+per-request sampling seeds) on one batch-invariant embedded engine, and compares what a trainer would see.
+The workload is :class:`~rollopt.environments.SyntheticEnv`: real decode of a peaked random-init model, planned
+tool calls whose latencies vary (so policies really reorder work), observations and a text-dependent reward.
+
+* **R1 token parity** (``token-parity``): greedy decoding; every trajectory's token ids, token kinds and
+  reward equal the baseline's, logprobs within ``logprob_tol``. ``statistic`` = fraction of trajectories
+  that differ (0 to pass).
+* **R2 distribution** (``distribution``): sampling at temperature 1, n ≥ 256 trajectories per side;
+  Mann-Whitney U and two-sample KS tests (scipy) on response length, turns, tool calls, reward and mean
+  token logprob. ``p_value`` = the smallest over the tests; passes when it is > ``alpha`` (0.01).
+  ``statistic`` = the largest KS distance (an effect size in [0, 1]); per-metric results are in ``detail``.
+  R1 policies must pass it too (token parity implies it).
+* **R3 off-policy** (``off-policy``): several batches with a weight update between them and over-provisioned
+  groups, so stragglers carry over and resume under newer weights. Reports the staleness histogram (share
+  of tokens per version lag), the engine↔trainer mismatch by staleness bucket (the batch rescored by a
+  trainer holding the current weights), and whether the configured correction acts on the stale tokens.
+  Passes when every generated token carries a version that the engine really had, versions never decrease
+  along a trajectory, no token was lost, and the correction is active (``correction != "none"`` or a
+  staleness bound is set). ``statistic`` = share of tokens with lag ≥ 1.
+
+A policy with no risk class fails with check ``risk-class``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from rollopt.chat import ChatRenderer
+from rollopt.engines.base import SamplingParams
+from rollopt.engines.local import LocalEngine, LocalEngineConfig
+from rollopt.environments import SyntheticEnv
+from rollopt.executor import RolloutExecutor, episode_specs
+from rollopt.schedulers import Policy, RiskClass, build_scheduler
+from rollopt.trajectory import Trajectory
+
+CHECKS_BY_RISK: dict[RiskClass, tuple[str, ...]] = {
+    RiskClass.R1: ("token-parity", "distribution"),
+    RiskClass.R2: ("distribution",),
+    RiskClass.R3: ("off-policy",),
+}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    scheduler: str
+    risk_class: str | None
+    check: str
+    passed: bool
+    statistic: float
+    p_value: float | None
+    n: int
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """The workload and thresholds; the defaults are what ``rollopt validate`` runs."""
+
+    parity_tasks: int = 16
+    parity_group: int = 4
+    distribution_tasks: int = 32
+    distribution_group: int = 8  # 256 trajectories per side
+    offpolicy_batches: int = 3
+    offpolicy_tasks: int = 6
+    offpolicy_extra_groups: int = 2
+    group_size_offpolicy: int = 4
+    alpha: float = 0.01
+    logprob_tol: float = 1e-5
+    seed: int = 0
+    tokens_per_turn: tuple[int, int] = (6, 14)
+    turns: tuple[int, int] = (1, 4)
+    tool_latency_s: float = 0.01
+
+
+def _env(cfg: ValidationConfig, long_tail: bool = False) -> SyntheticEnv:
+    return SyntheticEnv(turns=cfg.turns, tokens_per_turn=cfg.tokens_per_turn, tool_latency_s=cfg.tool_latency_s,
+                        tool_sigma=1.0, prompt_words=8, long_tail_fraction=0.2 if long_tail else 0.0,
+                        long_tail_factor=6)
+
+
+class Harness:
+    """One tiny peaked model, its tokenizer and a fresh batch-invariant engine per run."""
+
+    def __init__(self, cfg: ValidationConfig) -> None:
+        from rollopt.modeling.tiny import build_model, build_tokenizer
+
+        self.cfg = cfg
+        self.tokenizer = build_tokenizer()
+        self.model = build_model(len(self.tokenizer), init_scale=0.5, seed=cfg.seed,
+                                 eos_token_id=self.tokenizer.eos_token_id)
+        self.renderer = ChatRenderer(self.tokenizer)
+
+    def engine(self) -> LocalEngine:
+        cfg = LocalEngineConfig(max_running=64, max_context=1024, batch_invariant=True, invariant_prefill=True,
+                                seed=self.cfg.seed)
+        return LocalEngine(self.model.config, {k: v.clone() for k, v in self.model.state_dict().items()}, cfg,
+                           tokenizer=self.tokenizer, model_name="tiny-llama")
+
+    async def rollout(self, policy: Policy | str, tasks: int, group: int, temperature: float) -> list[Trajectory]:
+        env = _env(self.cfg)
+        specs = episode_specs(env.tasks(tasks, self.cfg.seed), group,
+                              SamplingParams(max_new_tokens=64, temperature=temperature), self.cfg.seed)
+        async with self.engine() as engine:
+            result = await RolloutExecutor(env, engine, self.renderer, policy).run(specs)
+        return sorted(result.trajectories, key=lambda t: t.id)
+
+
+def _policy(spec: str | Policy) -> Policy:
+    return build_scheduler(spec) if isinstance(spec, str) else spec
+
+
+async def check_token_parity(h: Harness, spec: str | Policy, baseline: Sequence[Trajectory] | None = None) -> CheckResult:
+    policy = _policy(spec)
+    cfg = h.cfg
+    base = baseline or await h.rollout("sync", cfg.parity_tasks, cfg.parity_group, 0.0)
+    got = await h.rollout(policy, cfg.parity_tasks, cfg.parity_group, 0.0)
+    by_id = {t.id: t for t in got}
+    differ, worst_lp, first = 0, 0.0, None
+    for ref in base:
+        t = by_id.get(ref.id)
+        same = (t is not None and np.array_equal(t.token_ids, ref.token_ids) and np.array_equal(t.kinds, ref.kinds)
+                and t.reward == ref.reward)
+        if same:
+            m = ref.loss_mask
+            lp = float(np.max(np.abs(t.logprobs[m] - ref.logprobs[m]))) if m.any() else 0.0
+            worst_lp = max(worst_lp, lp)
+            same = lp <= cfg.logprob_tol
+        if not same:
+            differ += 1
+            first = first or ref.id
+    n = len(base)
+    return CheckResult(policy.name, _risk(policy), "token-parity", differ == 0 and len(got) == n, differ / max(n, 1),
+                       None, n, {"max_abs_dlogprob": worst_lp, "first_mismatch": first, "trajectories": len(got)})
+
+
+def _traj_stats(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
+    return {
+        "response_length": np.array([t.num_generated for t in trajs], float),
+        "turns": np.array([len(t.turns) for t in trajs], float),
+        "tool_calls": np.array([len(t.tool_calls) for t in trajs], float),
+        "reward": np.array([t.reward if t.reward is not None else np.nan for t in trajs], float),
+        "logprob_mean": np.array([float(np.mean(t.logprobs[t.loss_mask])) if t.num_generated else np.nan
+                                  for t in trajs], float),
+    }
+
+
+def _two_sample(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    from scipy import stats
+
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if len(a) == 0 or len(b) == 0:
+        return {"ks": 1.0, "ks_p": 0.0, "mw_p": 0.0}
+    if np.array_equal(np.sort(a), np.sort(b)):
+        return {"ks": 0.0, "ks_p": 1.0, "mw_p": 1.0}
+    ks = stats.ks_2samp(a, b)
+    mw = stats.mannwhitneyu(a, b, alternative="two-sided") if np.ptp(np.r_[a, b]) > 0 else None
+    return {"ks": float(ks.statistic), "ks_p": float(ks.pvalue), "mw_p": float(mw.pvalue) if mw else 1.0}
+
+
+async def check_distribution(h: Harness, spec: str | Policy, baseline: Sequence[Trajectory] | None = None) -> CheckResult:
+    policy = _policy(spec)
+    cfg = h.cfg
+    base = baseline or await h.rollout("sync", cfg.distribution_tasks, cfg.distribution_group, 1.0)
+    got = await h.rollout(policy, cfg.distribution_tasks, cfg.distribution_group, 1.0)
+    sa, sb = _traj_stats(base), _traj_stats(got)
+    per_metric = {name: _two_sample(sa[name], sb[name]) for name in sa}
+    p = min(min(m["ks_p"], m["mw_p"]) for m in per_metric.values())
+    effect = max(m["ks"] for m in per_metric.values())
+    n = min(len(base), len(got))
+    return CheckResult(policy.name, _risk(policy), "distribution", p > cfg.alpha and n >= 256, effect, p, n,
+                       {"metrics": per_metric, "alpha": cfg.alpha})
+
+
+async def check_off_policy(h: Harness, spec: str | Policy, correction: str = "tis",
+                           max_staleness: int | None = 1) -> CheckResult:
+    """See the module docstring (R3)."""
+    from rollopt.batch import collate
+    from rollopt.trainer.metrics import mismatch_by_staleness
+    from rollopt.trainer.offpolicy import OffPolicyConfig, correct
+    from rollopt.trainer.scoring import score
+
+    policy = _policy(spec)
+    cfg = h.cfg
+    env = _env(cfg, long_tail=True)
+    trained: list[Trajectory] = []
+    lags: list[np.ndarray] = []
+    mismatch: dict[str, float] = {}
+    broken: list[str] = []
+    off = OffPolicyConfig(correction=correction, max_staleness=max_staleness)
+    model = copy_model(h.model)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    acted = 0
+    async with h.engine() as engine:
+        executor = RolloutExecutor(env, engine, h.renderer, policy)
+        for batch in range(cfg.offpolicy_batches):
+            specs = episode_specs(env.tasks(cfg.offpolicy_tasks + cfg.offpolicy_extra_groups, cfg.seed + batch),
+                                  cfg.group_size_offpolicy, SamplingParams(max_new_tokens=64, temperature=1.0),
+                                  cfg.seed + batch)
+            result = await executor.run(specs, target_groups=cfg.offpolicy_tasks)
+            version = engine.version
+            for t in result.trajectories:
+                v = t.versions[t.loss_mask]
+                if len(v) and (v.min() < 0 or v.max() > version or np.any(np.diff(v) < 0)):
+                    broken.append(t.id)
+            trained += result.trajectories
+            batch_t = collate(result.trajectories)
+            with torch.no_grad():
+                trainer_lp, _ = score(model, batch_t)
+            lags.append((version - batch_t.versions[batch_t.loss_mask]).numpy())
+            for k, val in mismatch_by_staleness(batch_t.behavior_logprobs, trainer_lp, batch_t.versions,
+                                                batch_t.loss_mask, version).items():
+                if k.startswith("mismatch/") and k.endswith("/k3"):
+                    mismatch[f"batch{batch}/{k}"] = val
+            fix = correct(batch_t.behavior_logprobs, trainer_lp, batch_t.versions, batch_t.loss_mask, version, off)
+            stale = batch_t.loss_mask & (version - batch_t.versions >= 1)
+            acted += int(((fix.weights != 1.0) & stale).sum()) + fix.stale_dropped
+            with torch.no_grad():  # the "trainer" moves on: perturb the weights and sync them
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+            await engine.update_weights({k: v.clone() for k, v in model.state_dict().items()})
+        lost = executor.carry_over
+    all_lags = np.concatenate(lags) if lags else np.zeros(0)
+    hist = {int(k): float(c) / max(len(all_lags), 1) for k, c in zip(*np.unique(all_lags, return_counts=True))}
+    stale_frac = float((all_lags >= 1).mean()) if len(all_lags) else 0.0
+    active = off.correction != "none" or off.max_staleness is not None
+    passed = not broken and active and stale_frac > 0 and acted > 0
+    return CheckResult(policy.name, _risk(policy), "off-policy", passed, stale_frac, None, int(len(all_lags)),
+                       {"staleness_histogram": hist, "mismatch_k3": mismatch, "correction": off.correction,
+                        "max_staleness": off.max_staleness, "correction_acted_on_tokens": acted,
+                        "bad_version_trajectories": broken[:5], "still_carried_over": len(lost)})
+
+
+def copy_model(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(model).eval()
+
+
+def _risk(policy: Policy) -> str | None:
+    return policy.risk_class.value if isinstance(policy.risk_class, RiskClass) else None
+
+
+CHECKS: dict[str, Callable[..., Any]] = {"token-parity": check_token_parity, "distribution": check_distribution,
+                                         "off-policy": check_off_policy}
+
+
+async def validate(specs: Sequence[str | Policy], cfg: ValidationConfig | None = None,
+                   on_result: Callable[[CheckResult], None] = lambda r: None) -> list[CheckResult]:
+    """Run every check each policy's risk class demands; baselines are computed once and shared."""
+    h = Harness(cfg or ValidationConfig())
+    c = h.cfg
+    baselines: dict[str, list[Trajectory]] = {}
+    out: list[CheckResult] = []
+    for spec in specs:
+        policy = _policy(spec)
+        if not isinstance(policy.risk_class, RiskClass):
+            results = [CheckResult(policy.name or str(spec), None, "risk-class", False, math.nan, None, 0,
+                                   {"why": "the policy declares no risk class; set risk_class = RiskClass.R1/R2/R3"})]
+        else:
+            results = []
+            for check in CHECKS_BY_RISK[policy.risk_class]:
+                if check == "token-parity":
+                    if check not in baselines:
+                        baselines[check] = await h.rollout("sync", c.parity_tasks, c.parity_group, 0.0)
+                    results.append(await check_token_parity(h, policy, baselines[check]))
+                elif check == "distribution":
+                    if check not in baselines:
+                        baselines[check] = await h.rollout("sync", c.distribution_tasks, c.distribution_group, 1.0)
+                    results.append(await check_distribution(h, policy, baselines[check]))
+                else:
+                    results.append(await check_off_policy(h, policy))
+        for r in results:
+            on_result(r)
+        out += results
+    return out
