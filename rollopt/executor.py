@@ -15,7 +15,8 @@ Guarantees (tests check each):
   environment that raises fails only its trajectory; tool failures are typed records in the turn.
 * **Carry-over is bounded.** Preempted trajectories wait in ``carry_over`` and resume first in the next
   ``run``; their ``carry_age`` grows each time, and the preempt policy exempts any at its ``max_carry_age``.
-* **Every dispatched step is one graph node** with start/end times (``RolloutResult.graph``).
+* **Every dispatched step is one graph node** with start/end times (``RolloutResult.graph``); a ``generate``
+  node also records ``first_token``, when its first token arrived, and a suspension is a ``preempted`` mark.
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ class RolloutExecutor:
         returned = complete if self._target is None else complete[: self._target]
         out = [r.traj for g in returned for r in groups[g]]
         self.carry_over = [r for g, members in groups.items() if g not in returned for r in members]
-        return RolloutResult(out, self._graph, self._now(), len(self.carry_over), self._preempted, self._streamed)
+        end = self._now()
+        self._graph.close(end)
+        return RolloutResult(out, self._graph, end, len(self.carry_over), self._preempted, self._streamed)
 
     def _start(self, spec: EpisodeSpec) -> TrajectoryRun:
         prompt = self.renderer.prompt(self.env.reset(spec.task), self._tool_schemas)
@@ -217,6 +220,7 @@ class RolloutExecutor:
 
     def _suspend(self, run: TrajectoryRun) -> None:
         self._preempted += 1
+        self._graph.mark(run.id, "preempted", self._now())
         run.suspended = True
         run.rid = None
         run.early_tools.clear()
@@ -286,9 +290,11 @@ class RolloutExecutor:
             ids: list[int] = []
             lps: list[float] = []
             vers: list[int] = []
-            result, failure = None, None
+            result, failure, first_token = None, None, None
             try:
                 async for chunk in self.engine.stream(request):
+                    if chunk.token_ids and first_token is None:
+                        first_token = self._now()  # when the first token reached the executor
                     ids += chunk.token_ids
                     lps += chunk.logprobs
                     vers += chunk.versions
@@ -304,11 +310,11 @@ class RolloutExecutor:
                     traj.append(TokenSpan.generated(ids, lps, vers))
                 run.rid = None
             if failure is not None:
-                self._graph.finish(node, self._now(), status="error", tokens=len(ids))
+                self._graph.finish(node, self._now(), status="error", tokens=len(ids), first_token=first_token)
                 return self._fail_engine(run, failure, streamed=len(ids))
             assert result is not None
             self._graph.finish(node, self._now(), status=result.finish_reason.value, tokens=len(ids),
-                               cached_tokens=result.cached_tokens)
+                               cached_tokens=result.cached_tokens, first_token=first_token)
             run.last_node = node
             if result.finish_reason is not FinishReason.ABORT:
                 return self._close_turn(run, result.finish_reason)

@@ -8,7 +8,8 @@ dependencies. Every node records ``kind``, ``trajectory``, ``start`` and ``end``
 began) and step-specific attributes (tokens, cached tokens, error kind, ...).
 
 Invariant: every step the executor dispatches gets exactly one node, which ends with an ``end`` time and a
-``status`` (ok / error / aborted / cancelled); nothing is dispatched without a node.
+``status`` (ok / error / aborted / cancelled); nothing is dispatched without a node. Events that are not steps
+(a trajectory suspended by preemption) are graph-level ``marks``; ``close`` records when the batch ended.
 """
 
 from __future__ import annotations
@@ -69,22 +70,27 @@ class RolloutGraph:
         path.write_text(json.dumps(self.to_json(), default=str))
         return path
 
-    def chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace-event JSON (Perfetto loads it): one complete event ("ph": "X", microseconds) per timed
-        node, on one track (tid) per trajectory, plus one track per tool call so that parallel calls never
-        overlap on a track."""
-        def track(d: dict) -> str:
-            return f"{d['trajectory']} tool {d.get('call', '')}" if d["kind"] == "tool" else d["trajectory"]
+    def mark(self, trajectory: str, event: str, at: float) -> None:
+        """Record an instant ``event`` of ``trajectory`` that is not a step (e.g. ``"preempted"``)."""
+        self.g.graph.setdefault("marks", []).append({"trajectory": trajectory, "event": event, "at": at})
 
-        tids = {t: i for i, t in enumerate(sorted({track(d) for _, d in self.g.nodes(data=True)}))}
-        events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": t}} for t, i in tids.items()
-        ]
-        for node, d in self.g.nodes(data=True):
-            if d["start"] is None or d["end"] is None:
-                continue
-            args = {k: v for k, v in d.items() if k not in ("start", "end") and isinstance(v, (int, float, str, bool))}
-            events.append({"ph": "X", "name": d["kind"], "cat": d["kind"], "pid": 1, "tid": tids[track(d)],
-                           "ts": d["start"] * 1e6, "dur": max(d["end"] - d["start"], 0.0) * 1e6,
-                           "args": {"node": node, **args}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+    def marks(self, event: str | None = None) -> list[dict[str, Any]]:
+        return [m for m in self.g.graph.get("marks", []) if event is None or m["event"] == event]
+
+    def close(self, at: float) -> None:
+        """The batch ended at ``at`` (seconds since it began)."""
+        self.g.graph["end"] = at
+
+    @property
+    def end(self) -> float:
+        """When the batch ended: the ``close`` time, else the latest node end."""
+        if self.g.graph.get("end") is not None:
+            return self.g.graph["end"]
+        return max((d["end"] for _, d in self.g.nodes(data=True) if d["end"] is not None), default=0.0)
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON (Perfetto loads it): per-trajectory phase timelines, see
+        :mod:`rollopt.timeline`."""
+        from rollopt.timeline import chrome_trace
+
+        return chrome_trace(self)

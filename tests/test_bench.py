@@ -1,7 +1,8 @@
 """`rollopt bench` end to end on a small workload, and the trace it writes."""
 
 import json
-from collections import defaultdict
+
+from trace_checks import check_trace
 
 from rollopt.cli import main
 
@@ -38,22 +39,13 @@ def test_bench_trace_is_well_formed_and_nested(tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert [p["lost_tokens"] for p in report["policies"]] == [0, 0]  # forks share, not duplicate, their tokens
     for name in ("sync", "overlap_prefix"):
-        trace = json.loads((tmp_path / f"{name}.trace.json").read_text())
-        events = trace["traceEvents"]
-        spans = [e for e in events if e["ph"] == "X"]
-        assert {e["name"] for e in spans} >= {"prompt", "generate", "tool", "observe", "reward", "fork"}
-        named = {e["tid"] for e in events if e["ph"] == "M"}
-        by_track = defaultdict(list)
-        for e in spans:
-            assert e["ts"] >= 0 and e["dur"] >= 0 and e["tid"] in named and e["pid"] == 1
-            by_track[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
-        for intervals in by_track.values():  # on a track, events are disjoint or nested, never crossed
-            intervals.sort(key=lambda iv: (iv[0], -iv[1]))
-            stack = []
-            for start, end in intervals:
-                while stack and stack[-1] <= start + 1e-3:
-                    stack.pop()
-                assert not stack or end <= stack[-1] + 1e-3
-                stack.append(end)
         graph = json.loads((tmp_path / f"{name}.graph.json").read_text())
         assert all(n["end"] is not None for n in graph["nodes"])  # every dispatched step finished
+        by_traj = check_trace(json.loads((tmp_path / f"{name}.trace.json").read_text()))
+        assert set(by_traj) == {n["trajectory"] for n in graph["nodes"]} and len(by_traj) == 8  # 2 trees × 4
+        for traj, events in by_traj.items():  # every trajectory decoded and called tools (the workload plans them)
+            assert events["generate"] and events["prefill"] and events["decode"] and events["tool call"], traj
+            assert len(events["generate"]) == sum(n["kind"] == "generate" and n["trajectory"] == traj
+                                                  for n in graph["nodes"])
+            assert {e["name"] for e in events["trajectory"]} == {"trajectory"}
+            assert events["reward"] and events["trajectory"][0]["args"]["status"] == "completed"
