@@ -99,6 +99,20 @@ async def test_async_with_preemption_bounds_staleness_and_applies_the_correction
         kept = sum(r.get(f"mismatch/{b}/tokens", 0) for b in ("lag0", "lag1", "lag2plus")) - r["stale_dropped_tokens"]
         assert r["train_tokens"] == kept
     assert all(r["off_policy_correction"] == "tis" for r in rows)
+    # the rescoring split: the fp32 engine computes what the trainer computes (up to KV that in-flight requests
+    # kept across a weight update), so most of the stale tokens' gap is version lag
+    split = [r for r in rows if r.get("attribution/tokens")]
+    assert split and all(r["attribution/unattributed_tokens"] == 0 for r in split)
+    for r in split:
+        assert r["attribution/numerics_abs_dlogp"] < 0.5 * r["attribution/lag_abs_dlogp"]
+        assert r["attribution/total_dlogp"] == pytest.approx(r["attribution/numerics_dlogp"] + r["attribution/lag_dlogp"])
+    # every step's rollout timeline: a trace file, and phase times that add up to the trajectories' time
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [f"step-000{i}.trace.json" for i in (1, 2, 3, 4)]
+    for r in rows:
+        phases = sum(r[f"timeline/{p}_s"] for p in ("queue", "prefill", "resumed", "decode", "tool", "preempted"))
+        assert phases == pytest.approx(r["timeline/trajectory_s"])
+        assert 0 < r["timeline/engine_busy_s"] <= r["timeline/wall_s"]
+    assert sum(r["timeline/preempted_s"] for r in rows) > 0
 
 
 def test_recipe_errors_name_the_fix(tmp_path):

@@ -17,7 +17,9 @@ Failure policy: a trajectory that *failed* (engine or environment error, no rewa
 of the update (counted in ``dropped_groups``); the rest of the batch trains. Truncated episodes were scored
 by the environment like any other.
 
-Outputs in ``out_dir``: ``metrics.jsonl`` (one line per step), ``recipe.toml`` (as resolved),
+Outputs in ``out_dir``: ``metrics.jsonl`` (one line per step, with the rollout's ``timeline/*`` phase times
+and the ``attribution/*`` mismatch split of :mod:`rollopt.trainer.attribution`), ``traces/step-NNNN.trace.json``
+(each step's rollout as a Perfetto trace, :mod:`rollopt.timeline`), ``recipe.toml`` (as resolved),
 ``checkpoints/`` (see :mod:`rollopt.trainer.checkpoint`) and ``curves.png``. Resuming (``resume=True``) loads
 ``checkpoints/latest``, truncates ``metrics.jsonl`` to its step and continues with the next step; in ``sync``
 mode the continued run is identical to an uninterrupted one (seeded tasks and sampling, batch-invariant
@@ -41,7 +43,9 @@ from rollopt.chat import ChatRenderer
 from rollopt.engines.base import Engine, SamplingParams
 from rollopt.environments import build_environment
 from rollopt.executor import EpisodeSpec, RolloutExecutor, TrajectoryRun, episode_specs
+from rollopt.timeline import timeline_totals, write_trace
 from rollopt.trajectory import Status, Trajectory
+from rollopt.trainer.attribution import WeightHistory, attribute_mismatch
 from rollopt.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rollopt.trainer.metrics import rollout_metrics
 from rollopt.trainer.recipe import Recipe
@@ -59,6 +63,7 @@ class RolloutBatch:
     preempted: int
     carried_over: int
     carry_snapshot: list[TrajectoryRun] = field(default_factory=list)  # the buffer right after this rollout
+    timeline: dict[str, float] = field(default_factory=dict)  # rollopt.timeline.timeline_totals of the rollout
 
 
 def snapshot_carry_over(runs: list[TrajectoryRun]) -> list[TrajectoryRun]:
@@ -113,6 +118,7 @@ class Trainer:
                                           minibatches=a.minibatches, micro_batch=a.micro_batch,
                                           temperature=recipe.rollout.temperature)
         self.state = TrainState(step=0, version=0)
+        self.weights = WeightHistory(keep=recipe.max_ahead + 2)  # covers a straggler resumed once past the bound
         self.metrics_path = self.out_dir / "metrics.jsonl"
         checkpoint = latest_checkpoint(self.out_dir / "checkpoints") if resume else None
         if checkpoint is not None:
@@ -149,8 +155,10 @@ class Trainer:
     async def rollout(self, executor: RolloutExecutor, step: int) -> RolloutBatch:
         started = time.perf_counter()
         result = await executor.run(self.specs_for_step(step), target_groups=self.recipe.rollout.tasks_per_step)
+        write_trace(result.graph, self.out_dir / "traces" / f"step-{step:04d}.trace.json")
         return RolloutBatch(step, result.trajectories, time.perf_counter() - started, result.preempted,
-                            result.carried_over, snapshot_carry_over(executor.carry_over))
+                            result.carried_over, snapshot_carry_over(executor.carry_over),
+                            timeline_totals(result.graph))
 
     async def evaluate(self, engine: Engine) -> float:
         """Greedy reward on ``rollout.eval_tasks`` held-out tasks (a seed no training step uses)."""
@@ -169,19 +177,27 @@ class Trainer:
         trajs, dropped = self._trainable(batch.trajectories)
         metrics: dict[str, Any] = {"step": batch.step, **rollout_metrics(batch.trajectories),
                                    "dropped_groups": dropped, "preempted": batch.preempted,
-                                   "carried_over": batch.carried_over, "rollout_s": batch.rollout_s}
+                                   "carried_over": batch.carried_over, "rollout_s": batch.rollout_s,
+                                   **batch.timeline}
         t0 = time.perf_counter()
         if trajs:
             a = self.recipe.algorithm
             for group in self.optimizer.param_groups:  # a function of the step, so a resume gets the same rate
                 group["lr"] = a.lr * (min(1.0, batch.step / a.lr_warmup_steps) if a.lr_warmup_steps else 1.0)
             current = self.state.version
-            update = await anyio.to_thread.run_sync(
-                lambda: policy_update(self.model, self.optimizer, trajs, current, self.update_config,
-                                      self.recipe.off_policy, self.pad_token_id))
-            metrics.update(update)
+
+            def attribute_and_update() -> dict[str, Any]:
+                split = attribute_mismatch(self.model, trajs, current, self.weights,  # before the update
+                                           sequences=self.recipe.attribution.sequences, seed=batch.step,
+                                           temperature=self.recipe.rollout.temperature, pad_token_id=self.pad_token_id)
+                return {**split, **policy_update(self.model, self.optimizer, trajs, current, self.update_config,
+                                                 self.recipe.off_policy, self.pad_token_id)}
+
+            metrics.update(await anyio.to_thread.run_sync(attribute_and_update))
         t1 = time.perf_counter()
-        self.state.version = await engine.update_weights(engine_weights(self.model), version=self.state.version + 1)
+        weights = engine_weights(self.model)
+        self.state.version = await engine.update_weights(weights, version=self.state.version + 1)
+        self.weights.record(self.state.version, weights)
         self.state.step = batch.step
         metrics.update({"policy_version": self.state.version, "train_s": t1 - t0,
                         "sync_s": time.perf_counter() - t1, "step_s": time.perf_counter() - step_started,
@@ -205,6 +221,7 @@ class Trainer:
         recipe, out = self.recipe, []
         if self.state.version > (await engine.info()).version:
             await engine.update_weights(engine_weights(self.model), version=self.state.version)
+        self.weights.record(self.state.version, engine_weights(self.model))  # what the engine holds now
         executor = RolloutExecutor(self.env, engine, self.renderer, recipe.rollout.scheduler)
         executor.carry_over = snapshot_carry_over(self.state.carry_over)
         first, last = self.state.step + 1, recipe.loop.steps

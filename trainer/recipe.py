@@ -87,6 +87,11 @@ class LoopSection:
 
 
 @dataclass(frozen=True)
+class AttributionSection:
+    sequences: int = 8  # stale trajectories rescored per step with the weights that sampled them (0: off)
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str = "unnamed"
     description: str = ""
@@ -97,6 +102,7 @@ class Recipe:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     loop: LoopSection = field(default_factory=LoopSection)
+    attribution: AttributionSection = field(default_factory=AttributionSection)
 
     def __post_init__(self) -> None:
         if self.loop.mode not in MODES:
@@ -117,6 +123,8 @@ class Recipe:
                             ("loop.checkpoint_every", self.loop.checkpoint_every)]:
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.attribution.sequences < 0:
+            raise ConfigError(f"attribution.sequences must be >= 0 (0: off), got {self.attribution.sequences}")
 
     @property
     def max_ahead(self) -> int:

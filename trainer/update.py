@@ -52,7 +52,7 @@ def token_advantages(trajectories: Sequence[Trajectory], batch: TrainBatch, esti
     return torch.from_numpy(np.asarray(per_traj, np.float32))[:, None].expand_as(batch.behavior_logprobs).clone()
 
 
-class _Tempered(torch.nn.Module):
+class Tempered(torch.nn.Module):
     """A view of an HF causal LM whose logits are divided by the sampling temperature."""
 
     def __init__(self, model: torch.nn.Module, temperature: float) -> None:
@@ -72,7 +72,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
     """Update ``model`` in place on ``trajectories`` (see the module docstring); returns step metrics."""
     if not trajectories:
         raise ValueError("policy_update() needs at least one trajectory")
-    scorer = _Tempered(model, config.temperature)
+    scorer = Tempered(model, config.temperature)
     batch = collate(trajectories, "padded", pad_token_id=pad_token_id)
     advantages = token_advantages(trajectories, batch, config.advantage)
     model.eval()  # no dropout in the scored policies: π_prox and π_θ must be the same function at step 0
