@@ -21,7 +21,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal, Sequence, TypedDict, Union
+from typing import Any, Callable, ClassVar, Literal, NewType, Sequence, TypedDict, Union
 
 import anyio
 
@@ -41,6 +41,11 @@ class Message(TypedDict, total=False):
 
 
 # ----------------------------------------------------------------------------------------------- tools
+
+TrajectoryId = NewType("TrajectoryId", str)
+"""Annotate one tool parameter with this type to receive the id of the calling trajectory (``""`` outside an
+episode). The model neither sees nor sets it; a tool uses it to keep per-episode state (e.g. a sandbox session)
+that :meth:`Environment.close_episode` releases."""
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
@@ -116,6 +121,7 @@ class Tool:
         name, description, parameters: the OpenAI function schema.
         timeout_s: the deadline of one call.
         deterministic: the same arguments always give the same result (a scheduler may cache it).
+        trajectory_param: the parameter annotated :data:`TrajectoryId`, if any (not in the schema).
     """
 
     fn: Callable[..., Any]
@@ -124,6 +130,7 @@ class Tool:
     parameters: dict[str, Any]
     timeout_s: float = 30.0
     deterministic: bool = False
+    trajectory_param: str | None = None
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -138,11 +145,15 @@ class Tool:
         description, arg_docs = _docstring_parts(fn.__doc__ or "")
         properties: dict[str, Any] = {}
         required: list[str] = []
+        trajectory_param = None
         for pname, param in inspect.signature(fn).parameters.items():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise TypeError(f"tool {fn.__name__}: *args/**kwargs cannot be described to a model")
             if pname not in hints:
                 raise TypeError(f"tool {fn.__name__}: parameter {pname!r} needs a type annotation")
+            if hints[pname] is TrajectoryId:
+                trajectory_param = pname
+                continue
             prop = _json_schema(hints[pname])
             if pname in arg_docs:
                 prop["description"] = arg_docs[pname]
@@ -153,7 +164,7 @@ class Tool:
             raise TypeError(f"tool {fn.__name__}: give it a docstring; the model reads it as the tool's description")
         parameters = {"type": "object", "properties": properties, "required": required}
         return cls(fn=fn, name=name or fn.__name__, description=description, parameters=parameters,
-                   timeout_s=timeout_s, deterministic=deterministic)
+                   timeout_s=timeout_s, deterministic=deterministic, trajectory_param=trajectory_param)
 
     def validate_arguments(self, arguments: dict[str, Any]) -> ErrorRecord | None:
         """Check arguments against the schema; return a ``bad_arguments`` record naming the problem."""
@@ -185,8 +196,11 @@ def _render_result(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: float | None = None) -> ToolResult:
+async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: float | None = None,
+                            trajectory_id: str = "") -> ToolResult:
     """Run one tool call to a :class:`ToolResult`; every failure of the tool itself becomes its ``error``.
+
+    ``trajectory_id`` (the calling episode's) is passed to a tool's :data:`TrajectoryId` parameter.
 
     A sync tool runs in a worker thread. At its deadline the call returns a ``tool_timeout`` record; a sync
     tool's thread cannot be killed and finishes in the background (use the sandbox for untrusted code).
@@ -204,12 +218,15 @@ async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: fl
     if (bad := chosen.validate_arguments(call.arguments)) is not None:
         return result(f"Error: {bad.message}", bad)
     deadline = chosen.timeout_s if timeout_s is None else timeout_s
+    arguments = dict(call.arguments)
+    if chosen.trajectory_param is not None:
+        arguments[chosen.trajectory_param] = TrajectoryId(trajectory_id)
     try:
         with anyio.fail_after(deadline):
             if inspect.iscoroutinefunction(chosen.fn):
-                value = await chosen.fn(**call.arguments)
+                value = await chosen.fn(**arguments)
             else:
-                value = await anyio.to_thread.run_sync(lambda: chosen.fn(**call.arguments), abandon_on_cancel=True)
+                value = await anyio.to_thread.run_sync(lambda: chosen.fn(**arguments), abandon_on_cancel=True)
     except TimeoutError:
         err = ErrorRecord("tool_timeout", f"tool {call.name} ran past its {deadline:g}s deadline")
         return result(f"Error: {err.message}", err)
@@ -285,6 +302,10 @@ class Environment(abc.ABC):
     def prompt_tool_schemas(self) -> list[dict] | None:
         """The tool schemas the prompt shows (``None`` when :attr:`show_tool_schemas` is off)."""
         return [t.schema for t in self.tools()] if self.show_tool_schemas else None
+
+    async def close_episode(self, trajectory_id: str) -> None:
+        """Called once when an episode ends, however it ended, to release what its tools held for it (e.g. a
+        sandbox session keyed by :data:`TrajectoryId`). Must not raise. Default: nothing to release."""
 
     def demonstration(self, task: Task) -> list[Message] | None:
         """A worked episode for ``task`` (the assistant and tool messages after :meth:`reset`), used for a
