@@ -217,6 +217,7 @@ class RolloutExecutor:
             if run.stage is Stage.TOOLS:
                 if not await self._tools_and_step(run):
                     return self._suspend(run)
+        await self.env.close_episode(run.id)  # the episode ended: its tools' per-episode state goes
 
     def _suspend(self, run: TrajectoryRun) -> None:
         self._preempted += 1
@@ -347,7 +348,7 @@ class RolloutExecutor:
     async def _execute(self, run: TrajectoryRun, call: ToolCall) -> ToolResult:
         node = self._graph.add("tool", run.id, after=run.last_node, start=self._now(), tool=call.name, call=call.id)
         try:
-            result = await execute_tool_call(self._tools, call)
+            result = await execute_tool_call(self._tools, call, trajectory_id=run.id)
         except BaseException:
             self._graph.finish(node, self._now(), status="cancelled")
             raise
