@@ -27,8 +27,9 @@ from rollopt.errors import (
     ErrorRecord,
     RolloptError,
     ToolError,
+    ToolFailed,
 )
-from rollopt.step import Environment, Message, StepOutcome, Task, Tool, execute_tool_call, tool
+from rollopt.step import Environment, Message, StepOutcome, Task, Tool, ToolContext, execute_tool_call, tool
 from rollopt.storage import load_trajectories, save_trajectories
 from rollopt.toolcalls import ParsedTurn, ToolCallStream, parse_tool_calls
 from rollopt.trajectory import NO_VERSION, Status, TokenKind, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
@@ -70,7 +71,9 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolCallStream",
+    "ToolContext",
     "ToolError",
+    "ToolFailed",
     "ToolResult",
     "TrainBatch",
     "Trajectory",

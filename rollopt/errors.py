@@ -31,6 +31,16 @@ class ToolError(RolloptError):
     """A tool call could not be parsed, was invalid, crashed, or ran past its deadline."""
 
 
+class ToolFailed(ToolError):
+    """Raised by a tool to fail with its own typed record (e.g. ``sandbox_timeout``) instead of ``tool_crash``;
+    ``content`` is what the model reads (default: ``"Error (<kind>): <message>"``)."""
+
+    def __init__(self, record: "ErrorRecord", content: str | None = None) -> None:
+        super().__init__(record.message)
+        self.record = record
+        self.content = f"Error ({record.kind}): {record.message}" if content is None else content
+
+
 class EnvError(RolloptError):
     """An environment broke its contract (reset/step returned something invalid or raised)."""
 

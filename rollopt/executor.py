@@ -33,7 +33,7 @@ from rollopt.engines.base import Engine, EngineFailure, FinishReason, GenerateRe
 from rollopt.errors import EngineError, ErrorRecord
 from rollopt.graph import RolloutGraph
 from rollopt.schedulers import Policy, RolloutView, Stage, TrajectoryView, build_scheduler
-from rollopt.step import Environment, Task, execute_tool_call
+from rollopt.step import Environment, Task, ToolContext, execute_tool_call
 from rollopt.toolcalls import ParsedTurn, ToolCallStream
 from rollopt.trajectory import Status, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
 
@@ -348,7 +348,7 @@ class RolloutExecutor:
     async def _execute(self, run: TrajectoryRun, call: ToolCall) -> ToolResult:
         node = self._graph.add("tool", run.id, after=run.last_node, start=self._now(), tool=call.name, call=call.id)
         try:
-            result = await execute_tool_call(self._tools, call, trajectory_id=run.id)
+            result = await execute_tool_call(self._tools, call, context=ToolContext(run.id, run.spec.task))
         except BaseException:
             self._graph.finish(node, self._now(), status="cancelled")
             raise

@@ -21,11 +21,11 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal, NewType, Sequence, TypedDict, Union
+from typing import Any, Callable, ClassVar, Literal, Sequence, TypedDict, Union
 
 import anyio
 
-from rollopt.errors import ErrorRecord
+from rollopt.errors import ErrorRecord, ToolFailed
 from rollopt.toolcalls import ParsedTurn
 from rollopt.trajectory import ToolCall, ToolResult
 
@@ -42,10 +42,21 @@ class Message(TypedDict, total=False):
 
 # ----------------------------------------------------------------------------------------------- tools
 
-TrajectoryId = NewType("TrajectoryId", str)
-"""Annotate one tool parameter with this type to receive the id of the calling trajectory (``""`` outside an
-episode). The model neither sees nor sets it; a tool uses it to keep per-episode state (e.g. a sandbox session)
-that :meth:`Environment.close_episode` releases."""
+
+@dataclass(frozen=True)
+class ToolContext:
+    """Who is calling a tool. Annotate one tool parameter with this type to receive it; the model neither sees
+    nor sets it. A tool keys per-episode state on ``trajectory_id`` (e.g. a sandbox session) and
+    :meth:`Environment.close_episode` releases it.
+
+    Attributes:
+        trajectory_id: the calling episode (``""`` outside an episode: keep no state then).
+        task: the episode's task (``None`` outside an episode).
+    """
+
+    trajectory_id: str = ""
+    task: "Task | None" = None
+
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
@@ -121,7 +132,7 @@ class Tool:
         name, description, parameters: the OpenAI function schema.
         timeout_s: the deadline of one call.
         deterministic: the same arguments always give the same result (a scheduler may cache it).
-        trajectory_param: the parameter annotated :data:`TrajectoryId`, if any (not in the schema).
+        context_param: the parameter annotated :class:`ToolContext`, if any (not in the schema).
     """
 
     fn: Callable[..., Any]
@@ -130,7 +141,7 @@ class Tool:
     parameters: dict[str, Any]
     timeout_s: float = 30.0
     deterministic: bool = False
-    trajectory_param: str | None = None
+    context_param: str | None = None
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -145,14 +156,14 @@ class Tool:
         description, arg_docs = _docstring_parts(fn.__doc__ or "")
         properties: dict[str, Any] = {}
         required: list[str] = []
-        trajectory_param = None
+        context_param = None
         for pname, param in inspect.signature(fn).parameters.items():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise TypeError(f"tool {fn.__name__}: *args/**kwargs cannot be described to a model")
             if pname not in hints:
                 raise TypeError(f"tool {fn.__name__}: parameter {pname!r} needs a type annotation")
-            if hints[pname] is TrajectoryId:
-                trajectory_param = pname
+            if hints[pname] is ToolContext:
+                context_param = pname
                 continue
             prop = _json_schema(hints[pname])
             if pname in arg_docs:
@@ -164,7 +175,7 @@ class Tool:
             raise TypeError(f"tool {fn.__name__}: give it a docstring; the model reads it as the tool's description")
         parameters = {"type": "object", "properties": properties, "required": required}
         return cls(fn=fn, name=name or fn.__name__, description=description, parameters=parameters,
-                   timeout_s=timeout_s, deterministic=deterministic, trajectory_param=trajectory_param)
+                   timeout_s=timeout_s, deterministic=deterministic, context_param=context_param)
 
     def validate_arguments(self, arguments: dict[str, Any]) -> ErrorRecord | None:
         """Check arguments against the schema; return a ``bad_arguments`` record naming the problem."""
@@ -197,10 +208,11 @@ def _render_result(value: Any) -> str:
 
 
 async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: float | None = None,
-                            trajectory_id: str = "") -> ToolResult:
+                            context: ToolContext = ToolContext()) -> ToolResult:
     """Run one tool call to a :class:`ToolResult`; every failure of the tool itself becomes its ``error``.
 
-    ``trajectory_id`` (the calling episode's) is passed to a tool's :data:`TrajectoryId` parameter.
+    ``context`` goes to a tool's :class:`ToolContext` parameter. A tool that raises
+    :class:`~rollopt.errors.ToolFailed` gets its own typed record (e.g. ``sandbox_timeout``) in the result.
 
     A sync tool runs in a worker thread. At its deadline the call returns a ``tool_timeout`` record; a sync
     tool's thread cannot be killed and finishes in the background (use the sandbox for untrusted code).
@@ -219,8 +231,8 @@ async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: fl
         return result(f"Error: {bad.message}", bad)
     deadline = chosen.timeout_s if timeout_s is None else timeout_s
     arguments = dict(call.arguments)
-    if chosen.trajectory_param is not None:
-        arguments[chosen.trajectory_param] = TrajectoryId(trajectory_id)
+    if chosen.context_param is not None:
+        arguments[chosen.context_param] = context
     try:
         with anyio.fail_after(deadline):
             if inspect.iscoroutinefunction(chosen.fn):
@@ -230,6 +242,8 @@ async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: fl
     except TimeoutError:
         err = ErrorRecord("tool_timeout", f"tool {call.name} ran past its {deadline:g}s deadline")
         return result(f"Error: {err.message}", err)
+    except ToolFailed as exc:
+        return result(exc.content, exc.record)
     except Exception as exc:  # the tool's own failure is data; cancellation (BaseException) propagates
         err = ErrorRecord.from_exception("tool_crash", exc, tool=call.name)
         return result(f"Error: {err.message}", err)
@@ -305,7 +319,7 @@ class Environment(abc.ABC):
 
     async def close_episode(self, trajectory_id: str) -> None:
         """Called once when an episode ends, however it ended, to release what its tools held for it (e.g. a
-        sandbox session keyed by :data:`TrajectoryId`). Must not raise. Default: nothing to release."""
+        sandbox session keyed by :attr:`ToolContext.trajectory_id`). Must not raise. Default: nothing to release."""
 
     def demonstration(self, task: Task) -> list[Message] | None:
         """A worked episode for ``task`` (the assistant and tool messages after :meth:`reset`), used for a
