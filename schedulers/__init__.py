@@ -11,6 +11,8 @@ its own module, declares its risk class, and is registered in ``SCHEDULERS``; a 
 | overlap   | per-trajectory async; tools start inside the turn as calls close      | R1   |
 | prefix    | prefill shared prefixes once, then fork; cache-affinity priority      | R1   |
 | preempt   | abort stragglers at the batch quota, carry them over, resume          | R3   |
+| warm      | keep each trajectory's KV cached across its tool calls (a TTL pin)    | R1   |
+| las       | least attained service first: short trajectories are not stuck behind long ones | R1 |
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Any, Callable
 
 from rollopt.errors import ConfigError
 from rollopt.schedulers.base import CompositePolicy, Policy, RiskClass, RolloutView, Stage, TrajectoryView
+from rollopt.schedulers.las import LeastAttainedServicePolicy
 from rollopt.schedulers.overlap import OverlapPolicy
 from rollopt.schedulers.per_trajectory import AsyncPolicy
 from rollopt.schedulers.prefix import PrefixPolicy
 from rollopt.schedulers.preempt import PreemptPolicy
 from rollopt.schedulers.sync import SyncPolicy
+from rollopt.schedulers.warm import WarmPolicy
 
 SCHEDULERS: dict[str, Callable[..., Policy]] = {}
 
@@ -39,7 +43,7 @@ def register_scheduler(name: str, factory: Callable[..., Policy]) -> None:
     SCHEDULERS[name] = factory
 
 
-for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy):
+for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy, WarmPolicy, LeastAttainedServicePolicy):
     register_scheduler(_cls.name, _cls)
 
 
@@ -67,6 +71,7 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
 
 
 __all__ = [
-    "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "OverlapPolicy", "Policy", "PrefixPolicy", "PreemptPolicy", "RiskClass",
-    "RolloutView", "Stage", "SyncPolicy", "TrajectoryView", "build_scheduler", "register_scheduler",
+    "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
+    "PrefixPolicy", "PreemptPolicy", "RiskClass", "RolloutView", "Stage", "SyncPolicy", "TrajectoryView",
+    "WarmPolicy", "build_scheduler", "register_scheduler",
 ]

@@ -10,6 +10,8 @@ A policy owns no tasks, clients or clocks. The executor (``rollopt.executor``) c
 * ``shared_prefill``: prefill a shared prefix (a GRPO group's prompt, a tree fork point) once before the
   children that share it start;
 * ``priority(view, tid)``: engine priority of the trajectory's next request (higher runs first);
+* ``keep_warm_s``: ask the engine to keep each request's KV cached this long after it ends (or until the
+  trajectory's next turn reuses it), so the history survives the turn's tool calls;
 * ``preempt(view)``: which running trajectories to abort now; they keep every token and are carried over;
 * ``sampling(view, tid, params)``: the sampling params of the trajectory's next turn (default: unchanged).
   A policy that changes them changes what is sampled, and its risk class must say so (``rollopt validate``
@@ -95,6 +97,7 @@ class Policy:
     early_tool_start: ClassVar[bool] = False
     shared_prefill: ClassVar[bool] = False
     barrier: ClassVar[bool] = False
+    keep_warm_s: float = 0.0
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         return True
@@ -129,6 +132,7 @@ class CompositePolicy(Policy):
         self.early_tool_start = any(p.early_tool_start for p in parts)  # type: ignore[misc]
         self.shared_prefill = any(p.shared_prefill for p in parts)  # type: ignore[misc]
         self.barrier = any(p.barrier for p in parts)  # type: ignore[misc]
+        self.keep_warm_s = max(p.keep_warm_s for p in parts)
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         return all(p.may_generate(view, tid) for p in self.parts)

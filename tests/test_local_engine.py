@@ -103,6 +103,42 @@ async def test_prefix_cache_hits_and_gives_identical_tokens(peaked_model):
     assert second.output_ids == uncached.output_ids
 
 
+async def test_keep_warm_pins_a_trajectory_history_against_eviction_until_its_next_turn(peaked_model):
+    """A turn's KV survives other traffic during its tool call when pinned; unpinned, LRU evicts it."""
+    history = prompt(96, seed=11)
+    sampling = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    cached = {}
+    for keep_warm_s in (0.0, 60.0):
+        # room for 12 blocks: the turn's 7 blocks, then 3 others of 4 blocks each must evict something
+        async with engine(peaked_model, block_size=16, prefix_cache_tokens=192) as eng:
+            turn = await eng.generate(GenerateRequest("t0", history, sampling, keep_warm_s=keep_warm_s))
+            for i in range(3):  # other trajectories' turns while this one runs its tools
+                await eng.generate(GenerateRequest(f"other{i}", prompt(64, seed=20 + i), sampling))
+            next_turn = history + tuple(turn.output_ids) + (5, 6, 7)
+            cached[keep_warm_s] = (await eng.generate(GenerateRequest("t1", next_turn, sampling))).cached_tokens
+            pins = eng.prefix_cache.stats
+    assert cached[60.0] == 96 + 16 - 16  # every full block of prompt + output (the last token has no KV yet)
+    assert cached[0.0] < cached[60.0]
+    assert pins.pinned == 1 and pins.pin_hits == 1
+
+
+def test_a_pin_expires_at_its_deadline_and_is_released_when_reused():
+    from rollopt.engines.prefix_cache import PrefixCache
+
+    now = [0.0]
+    cache = PrefixCache(block_size=2, capacity_tokens=4, now=lambda: now[0])
+    kv = lambda a, b: (torch.zeros(1, 1, b - a, 1), torch.zeros(1, 1, b - a, 1))  # noqa: E731
+    cache.insert([1, 2, 3, 4], 4, kv)
+    assert cache.pin([1, 2, 3, 4], 4, until=10.0) == 4
+    assert cache.insert([7, 8], 2, kv) == 0  # full, and the only leaf is pinned: nothing is evicted
+    now[0] = 11.0
+    assert cache.insert([7, 8], 2, kv) == 1  # the pin expired: LRU may evict again
+    cache.pin([1, 2], 2, until=100.0)
+    assert cache.lookup([1, 2, 9], max_tokens=2)[0] == 2  # reused: the pin is released
+    assert cache.lookup([7, 8, 9], max_tokens=2)[0] == 2  # now [1, 2] is the least recently used leaf
+    assert cache.insert([5, 6], 2, kv) == 1 and cache.lookup([1, 2, 9], 2)[0] == 0  # and, unpinned, evicted
+
+
 async def _gather(eng, requests):
     out = [None] * len(requests)
     async with anyio.create_task_group() as tg:

@@ -52,6 +52,19 @@ def test_prefix_priority_keeps_groups_together():
     assert policy.priority(v, "a0") == policy.priority(v, "a1") > policy.priority(v, "b0")
 
 
+def test_las_runs_the_least_served_trajectory_first():
+    policy = build_scheduler("las")
+    v = view(("long", "A", 3, Stage.GATE, 300), ("short", "B", 1, Stage.GATE, 20), ("new", "C", 0, Stage.GATE, 0))
+    assert policy.priority(v, "new") > policy.priority(v, "short") > policy.priority(v, "long")
+
+
+def test_warm_asks_for_a_ttl_and_combinations_keep_the_longest():
+    assert build_scheduler("overlap").keep_warm_s == 0
+    assert build_scheduler("overlap+warm", keep_warm_s=12.5).keep_warm_s == 12.5
+    with pytest.raises(ValueError, match="keep_warm_s"):
+        build_scheduler("warm", keep_warm_s=0)
+
+
 def test_build_scheduler_combines_by_name():
     combo = build_scheduler("overlap+prefix+preempt", max_carry_age=3)
     assert combo.name == "overlap+prefix+preempt" and combo.risk_class is RiskClass.R3
@@ -141,14 +154,14 @@ async def test_r1_sync_overlap_prefix_give_identical_greedy_tokens(tokenizer, pe
     renderer = ChatRenderer(tokenizer)
     specs = episode_specs(env.tasks(4, 0), 3, GREEDY, seed=0, fork_after_turn=0, fork_branches=2)
     tokens = {}
-    for policy in ("sync", "overlap", "prefix", "overlap+prefix"):
+    for policy in ("sync", "overlap", "prefix", "overlap+prefix", "overlap+warm+las"):
         async with local(peaked_model) as engine:
             trajs = await run_rollout(env, engine, renderer, specs, policy)
         tokens[policy] = {t.id: t.token_ids.tolist() for t in trajs}
         assert all(t.status is Status.COMPLETED for t in trajs)
     assert len(tokens["sync"]) > 12  # forks added branches
     assert max(len(t) for t in tokens["sync"].values()) > min(len(t) for t in tokens["sync"].values())
-    for policy in ("overlap", "prefix", "overlap+prefix"):
+    for policy in ("overlap", "prefix", "overlap+prefix", "overlap+warm+las"):
         assert tokens[policy] == tokens["sync"], policy
 
 

@@ -247,6 +247,9 @@ class LocalEngine(Engine):
             raise BadRequestError(f"request {request.rid}: stop strings need an engine built with a tokenizer")
         if request.rid in self._live:
             raise BadRequestError(f"request id {request.rid!r} is already in flight; rids must be unique")
+        if not (math.isfinite(request.keep_warm_s) and request.keep_warm_s >= 0):
+            raise BadRequestError(f"request {request.rid}: keep_warm_s must be a finite number >= 0, "
+                                  f"got {request.keep_warm_s!r}")
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self._require_running()
@@ -508,6 +511,8 @@ class LocalEngine(Engine):
         if r.slot >= 0 and r.filled:
             # keep this sequence's KV for later turns (its last token's KV was never computed)
             self.prefix_cache.insert(r.sequence, r.filled, lambda a, b, s=r.slot: self.kv.read(s, a, b))
+            if r.req.keep_warm_s > 0:
+                self.prefix_cache.pin(r.sequence, r.filled, self.prefix_cache.now() + r.req.keep_warm_s)
         self._release_slot(r)
         if r in self._waiting:
             self._waiting.remove(r)

@@ -9,10 +9,17 @@ Reference counts: a block is referenced by each cached child block; only unrefer
 blocks (leaves) are evicted, least recently used first, so a cached prefix never loses its middle. The cache
 holds at most ``capacity_tokens`` tokens. ``clear()`` drops everything (after a weight update: KV computed by
 old weights must not be reused).
+
+Pins (KV kept warm across a tool call): ``pin(tokens, valid, until)`` protects the chain of ``tokens[:valid]``
+from eviction until the time ``until`` (the deepest block is held; its ancestors are held by their refs).
+A pin ends at its deadline or when a lookup reuses the pinned block (the request that continues the
+trajectory has taken the KV), whichever comes first. Pins never make the cache exceed its capacity: an insert
+that finds only pinned or referenced blocks stops caching, as it does when every block is referenced.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -28,6 +35,7 @@ class _Block:
     v: torch.Tensor
     refs: int = 0
     last_used: int = 0
+    pinned_until: float = float("-inf")
 
 
 @dataclass
@@ -38,12 +46,16 @@ class PrefixCacheStats:
     evicted_blocks: int = 0
     cleared: int = 0
     blocks: int = field(default=0)
+    pinned: int = 0  # pins placed
+    pin_hits: int = 0  # pinned blocks reused by a later lookup
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, capacity_tokens: int) -> None:
+    def __init__(self, block_size: int, capacity_tokens: int, now: Callable[[], float] = time.monotonic) -> None:
+        """``now`` is the clock pins are measured on (injectable for tests)."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
+        self.now = now
         self.block_size = block_size
         self.capacity_blocks = capacity_tokens // block_size
         self._blocks: dict[int, _Block] = {}
@@ -62,7 +74,7 @@ class PrefixCache:
 
     def lookup(self, tokens: Sequence[int], max_tokens: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """Longest cached prefix of ``tokens`` no longer than ``max_tokens``: ``(n, k, v)`` with KV
-        ``[layers, kv_heads, n, dim]`` (``None`` when ``n == 0``)."""
+        ``[layers, kv_heads, n, dim]`` (``None`` when ``n == 0``). Releases the pins of the blocks it reuses."""
         self.stats.lookups += 1
         self._clock += 1
         found: list[_Block] = []
@@ -74,6 +86,9 @@ class PrefixCache:
             if block is None:
                 break
             block.last_used = self._clock
+            if block.pinned_until > float("-inf"):
+                block.pinned_until = float("-inf")
+                self.stats.pin_hits += 1
             found.append(block)
             parent = block
         if not found:
@@ -111,8 +126,25 @@ class PrefixCache:
         self.stats.blocks = len(self._blocks)
         return added
 
+    def pin(self, tokens: Sequence[int], valid: int, until: float) -> int:
+        """Hold the cached chain of ``tokens[:valid]`` until time ``until`` (or until a lookup reuses it).
+        Returns the number of tokens now pinned (only full blocks already cached can be pinned)."""
+        h, parent, deepest, n = 0, None, None, 0
+        for j in range(valid // self.block_size):
+            toks = self._block_tokens(tokens, j)
+            h = hash((h, toks))
+            block = self._get(h, toks, parent)
+            if block is None:
+                break
+            deepest, parent, n = block, block, n + self.block_size
+        if deepest is not None:
+            deepest.pinned_until = max(deepest.pinned_until, until)
+            self.stats.pinned += 1
+        return n
+
     def _evict_one(self, protect: _Block | None) -> bool:
-        leaves = [b for b in self._blocks.values() if b.refs == 0 and b is not protect]
+        now = self.now()
+        leaves = [b for b in self._blocks.values() if b.refs == 0 and b is not protect and b.pinned_until <= now]
         if not leaves:
             return False
         victim = min(leaves, key=lambda b: b.last_used)
