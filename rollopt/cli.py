@@ -174,6 +174,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from rollopt.report import report
+
+    try:
+        summary, paths = report(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"report: {exc}", file=sys.stderr)
+        return 2
+    print(summary)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     import json
 
@@ -244,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="shorthand for loop.steps=N")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. loop.mode=sync rollout.scheduler=sync")
     train.set_defaults(func=_cmd_train)
+    report = sub.add_parser("report", help="plots and a summary of a training run: learning, staleness, mismatch, time")
+    report.add_argument("run_dir", type=Path, help="a directory written by rollopt train")
+    report.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: RUN_DIR/report)")
+    report.set_defaults(func=_cmd_report)
     validate = sub.add_parser("validate", help="check that each policy keeps the semantics of its risk class")
     validate.add_argument("--scheduler", default=None, help="one policy (e.g. overlap+prefix); default: --all")
     validate.add_argument("--all", action="store_true", help="every registered policy")
