@@ -250,7 +250,8 @@ class RolloutExecutor:
         try:
             result = await self.engine.generate(GenerateRequest(f"{run.id}.prefill{run.turn}",
                                                                 tuple(int(t) for t in run.traj.token_ids),
-                                                                SamplingParams(max_new_tokens=0)))
+                                                                SamplingParams(max_new_tokens=0),
+                                                                affinity=run.traj.group_id))
             self._graph.finish(node, self._now(), cached_tokens=result.cached_tokens)
         except EngineError as exc:  # only an optimization failed: the children prefill themselves
             self._graph.finish(node, self._now(), status="error", error=str(exc))
@@ -283,7 +284,8 @@ class RolloutExecutor:
             seed = None if sampling.seed is None else sampling.seed + 7919 * run.turn + 104729 * run.segments
             request = GenerateRequest(f"{traj.id}.t{run.turn}.r{run.segments}", tuple(int(t) for t in traj.token_ids),
                                       replace(sampling, max_new_tokens=room, seed=seed),
-                                      priority=self.policy.priority(self.view(), run.id))
+                                      priority=self.policy.priority(self.view(), run.id), affinity=traj.group_id,
+                                      keep_warm_s=self.policy.keep_warm_s)
             run.segments += 1
             run.rid = request.rid
             node = self._graph.add("generate", run.id, after=run.last_node, start=self._now(), turn=run.turn,

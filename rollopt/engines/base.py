@@ -85,12 +85,22 @@ class SamplingParams:
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation request. ``rid`` must be unique among requests in flight (and, for SGLang, never a
-    prefix of another rid). Higher ``priority`` runs first where the engine supports priority."""
+    prefix of another rid). Higher ``priority`` runs first where the engine supports priority. Requests with
+    the same ``affinity`` key share a prefix (the executor uses the GRPO group id): a router over several
+    servers keeps them on one server for its prefix cache; single engines ignore it.
+
+    ``keep_warm_s``: after the request ends, keep its KV (prompt and output) in the prefix cache for up to this
+    many seconds, or until a request that continues the sequence reuses it, so a trajectory whose tools run
+    between two turns finds its history warm instead of losing it to LRU eviction. A hint: the embedded engine
+    pins the blocks (``PrefixCache.pin``); the SGLang client does not send it (0.5.23's equivalent is a
+    streaming session, ``/open_session`` with ``streaming`` and ``timeout``, not used yet)."""
 
     rid: str
     input_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+    affinity: str | None = None
+    keep_warm_s: float = 0.0
 
 
 @dataclass(frozen=True)
