@@ -4,11 +4,18 @@ a name to it so configs and the CLI can say ``--env calculator``."""
 from __future__ import annotations
 
 from rollopt.environments.calculator import CalculatorEnv
+from rollopt.environments.gym_adapter import GymTextEnv
+from rollopt.environments.python_tool import PythonToolEnv
+from rollopt.environments.retrieval import RetrievalEnv
 from rollopt.environments.synthetic import SyntheticEnv
 from rollopt.errors import ConfigError
 from rollopt.step import Environment
 
-ENVIRONMENTS: dict[str, type[Environment]] = {CalculatorEnv.name: CalculatorEnv, SyntheticEnv.name: SyntheticEnv}
+ENVIRONMENTS: dict[str, type[Environment]] = {
+    env.name: env for env in (CalculatorEnv, SyntheticEnv, PythonToolEnv, RetrievalEnv)
+}
+"""Environments buildable by name. :class:`GymTextEnv` is an adapter around a game you pass in, so it is not
+listed."""
 
 
 def build_environment(name: str, **kwargs) -> Environment:
@@ -17,4 +24,5 @@ def build_environment(name: str, **kwargs) -> Environment:
     return ENVIRONMENTS[name](**kwargs)
 
 
-__all__ = ["ENVIRONMENTS", "CalculatorEnv", "SyntheticEnv", "build_environment"]
+__all__ = ["ENVIRONMENTS", "CalculatorEnv", "GymTextEnv", "PythonToolEnv", "RetrievalEnv", "SyntheticEnv",
+           "build_environment"]
