@@ -271,6 +271,17 @@ def test_kv_budget_is_checked_with_a_message_that_names_the_fix(peaked_model):
         engine(peaked_model, max_running=4096, max_context=8192, kv_budget_mb=100)
 
 
+async def test_engine_threads_apply_to_its_own_worker_thread_only(peaked_model):
+    with pytest.raises(ConfigError, match="threads must be >= 1"):
+        engine(peaked_model, threads=0)
+    before = torch.get_num_threads()
+    async with engine(peaked_model) as default, engine(peaked_model, threads=1) as single:
+        expected = await default.generate(GenerateRequest("a", prompt(40), GREEDY))
+        got = await single.generate(GenerateRequest("a", prompt(40), GREEDY))
+    assert got.output_ids == expected.output_ids
+    assert torch.get_num_threads() == before  # the caller's (a trainer's) thread pool is untouched
+
+
 async def test_engine_failure_keeps_partial_tokens(peaked_model, monkeypatch):
     eng = engine(peaked_model)
     real_decode = eng.model.decode

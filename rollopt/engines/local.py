@@ -76,6 +76,10 @@ class LocalEngineConfig:
         seed: seeds requests that give no seed of their own (request n gets ``seed + n``).
         defer_shared_prefill: admit a request whose first block matches a request still prefilling only
             after that prefill, so it reuses the KV (like SGLang's in-batch prefix caching).
+        threads: intra-op threads of the forward passes (None: torch's default, every core). Set in the tick's
+            worker thread only (OpenMP's thread count is per thread), so a trainer in the same process keeps
+            its own. With few cores, fewer engine threads leave a core to the event loop (executor, tools,
+            streaming) instead of making each small op wait at an OpenMP barrier.
     """
 
     max_running: int = 32
@@ -89,6 +93,7 @@ class LocalEngineConfig:
     invariant_prefill: bool = False
     seed: int = 0
     defer_shared_prefill: bool = True
+    threads: int | None = None
 
     def torch_dtype(self) -> torch.dtype:
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -100,6 +105,8 @@ class LocalEngineConfig:
         for name in ("max_running", "max_context", "prefill_chunk", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 or None (torch's default), got {self.threads}")
         need = (self.max_running * self.max_context + self.prefix_cache_tokens) * kv_bytes_per_token / 2**20
         if need > self.kv_budget_mb:
             raise ConfigError(
@@ -388,6 +395,8 @@ class LocalEngine(Engine):
 
     # ------------------------------------------------------------------------------------------ tick
     def _tick(self) -> None:
+        if self.engine_config.threads is not None:
+            torch.set_num_threads(self.engine_config.threads)  # this worker thread's OpenMP pool only
         self._admit()
         started = time.perf_counter()
         self._prefill()
