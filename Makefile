@@ -37,7 +37,13 @@ sglang-venv: $(SGLANG_STAMP)
 $(SGLANG_STAMP): scripts/setup-sglang-venv.sh
 	bash scripts/setup-sglang-venv.sh $(SGLANG_VENV)
 
-test: $(SMOLLM2) $(SGLANG_STAMP)
+# bubblewrap, which the sandbox pool (environments/sandbox.py) runs its workers under (Debian/Ubuntu, as root).
+BWRAP := $(or $(shell command -v bwrap),/usr/bin/bwrap)
+
+$(BWRAP):
+	apt-get update -qq && apt-get install -y -qq bubblewrap
+
+test: $(SMOLLM2) $(SGLANG_STAMP) $(BWRAP)
 	$(PY) -m pytest -q
 
 clean:
