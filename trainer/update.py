@@ -27,6 +27,7 @@ import torch
 from rollopt.batch import TrainBatch, collate
 from rollopt.trajectory import Trajectory
 from rollopt.trainer.advantages import compute_advantages
+from rollopt.trainer.distributed import SingleProcess
 from rollopt.trainer.losses import aggregate_loss, ppo_policy_loss
 from rollopt.trainer.metrics import mismatch_by_staleness
 from rollopt.trainer.offpolicy import OffPolicyConfig, correct
@@ -68,26 +69,31 @@ class Tempered(torch.nn.Module):
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trajectories: Sequence[Trajectory],
                   current_version: int, config: UpdateConfig, off_policy: OffPolicyConfig,
-                  pad_token_id: int = 0) -> dict[str, float]:
-    """Update ``model`` in place on ``trajectories`` (see the module docstring); returns step metrics."""
+                  pad_token_id: int = 0, data_parallel: SingleProcess | None = None) -> dict[str, float]:
+    """Update ``model`` in place on ``trajectories`` (see the module docstring); returns step metrics. With
+    ``data_parallel`` (:class:`rollopt.trainer.distributed.DataParallel`) every rank passes the whole batch and
+    trains on its share of the rows, with the same result as one process (see that module)."""
     if not trajectories:
         raise ValueError("policy_update() needs at least one trajectory")
+    dp = data_parallel or SingleProcess()
     scorer = Tempered(model, config.temperature)
     batch = collate(trajectories, "padded", pad_token_id=pad_token_id)
     advantages = token_advantages(trajectories, batch, config.advantage)
+    advantage_abs_mean = float(advantages[:, 0].abs().mean())
+    bounds = np.linspace(0, batch.input_ids.shape[0], config.minibatches + 1).round().astype(int)
+    minibatch_rows = np.diff(bounds)  # over the whole batch, on every rank
+    batch, advantages, bounds = dp.shard(batch, advantages, bounds)
     model.eval()  # no dropout in the scored policies: π_prox and π_θ must be the same function at step 0
     with torch.no_grad():
         proximal, _ = score(scorer, batch, micro_batch=config.micro_batch)
     fix = correct(batch.behavior_logprobs, proximal, batch.versions, batch.loss_mask, current_version, off_policy)
     metrics = mismatch_by_staleness(batch.behavior_logprobs, proximal, batch.versions, batch.loss_mask,
                                     current_version)
-    rows = batch.input_ids.shape[0]
-    bounds = np.linspace(0, rows, config.minibatches + 1).round().astype(int)
     sums = {"loss": 0.0, "clip_frac": 0.0, "dual_clip_frac": 0.0, "entropy": 0.0}
     first_kl, grad_norms, tokens_seen = None, [], 0
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi, num_seqs in zip(bounds[:-1], bounds[1:], minibatch_rows.tolist()):
         mask_mb = fix.mask[lo:hi]
-        num_tokens, num_seqs = int(mask_mb.sum()), hi - lo
+        num_tokens = int(dp.sum([mask_mb.sum()])[0])  # the whole minibatch's, over every rank
         if num_tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
@@ -108,11 +114,14 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
             kl_sum += out.approx_kl.item() * n
             tokens_seen += n
         if first_kl is None:
-            first_kl = kl_sum / num_tokens
+            first_kl = dp.sum([kl_sum])[0] / num_tokens
+        dp.reduce_gradients(model.parameters())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         grad_norms.append(float(norm))
         optimizer.step()
     model.eval()
+    *totals, tokens_seen = dp.sum([*sums.values(), tokens_seen])
+    sums = dict(zip(sums, totals))
     seen = max(tokens_seen, 1)
     metrics.update({
         "loss": sums["loss"] / max(len(grad_norms), 1),
@@ -125,7 +134,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
         "is_clipped_frac": fix.is_clipped_frac,
         "stale_dropped_tokens": float(fix.stale_dropped),
         "train_tokens": float(tokens_seen),
-        "advantage_abs_mean": float(advantages[:, 0].abs().mean()),
+        "advantage_abs_mean": advantage_abs_mean,
         "lr": optimizer.param_groups[0]["lr"],
     })
     return metrics

@@ -1,0 +1,124 @@
+"""Data-parallel training under torchrun: 2 gloo ranks on CPU give the same loss, gradients and weights as one
+process on the same batch (within 1e-5) for every loss aggregation, and rank 0 alone syncs the weights.
+
+This file is also the torchrun worker: the test runs
+``python -m torch.distributed.run --nproc-per-node 2 tests/test_distributed.py OUT`` and compares what each
+rank wrote to OUT with :func:`train_case` run here in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollopt.trainer.losses import LOSS_AGGREGATIONS
+
+GROUP_SIZES = (4, 4, 3)  # 11 rows: the 2 minibatches (6 + 5 rows) split 3/3 and 2/3 over 2 ranks
+TOLERANCE = 1e-5
+
+
+def make_trajectories(seed: int = 0):
+    """Groups of scored trajectories with random prompts, generated tokens, behavior logprobs (versions 0/1)."""
+    from rollopt.trajectory import Status, TokenSpan, Trajectory
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g, size in enumerate(GROUP_SIZES):
+        prompt = rng.integers(5, 500, rng.integers(3, 7)).tolist()
+        for j in range(size):
+            t = Trajectory.start(f"g{g}.s{j}", f"task{g}", f"g{g}", prompt)
+            n = int(rng.integers(2, 9))
+            t.append(TokenSpan.generated(rng.integers(5, 500, n).tolist(), (-rng.random(n) * 3).tolist(),
+                                         rng.integers(0, 2, n).tolist()))
+            t.reward = float(rng.integers(0, 2))
+            t.finish(Status.COMPLETED)
+            out.append(t)
+    return out
+
+
+def train_case(loss_agg: str, trajectories, data_parallel=None) -> dict[str, Any]:
+    """One policy update of a seeded tiny model (2 minibatches, micro-batches of 2 rows): metrics, the last
+    minibatch's (clipped, reduced) gradients and the updated weights."""
+    from rollopt.modeling.tiny import build_model
+    from rollopt.trainer.offpolicy import OffPolicyConfig
+    from rollopt.trainer.update import UpdateConfig, policy_update
+
+    model = build_model(512, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                        init_scale=0.3, seed=3 if data_parallel is None else 3 + data_parallel.rank)
+    if data_parallel is not None:
+        data_parallel.broadcast_parameters(model)  # rank 1 was built with other weights: rank 0's win
+    # SGD: the step is linear in the gradient, so equal gradients show as equal weights. (AdamW's first step,
+    # g / (|g| + eps), turns a 1e-9 float-order difference in a gradient near eps into ~1e-5 in the weights.)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = UpdateConfig(loss_agg=loss_agg, minibatches=2, micro_batch=2, grad_clip=1.0)
+    metrics = policy_update(model, optimizer, trajectories, 1, config, OffPolicyConfig(correction="tis"),
+                            data_parallel=data_parallel)
+    return {"metrics": metrics, "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "model": model}
+
+
+def worker(out: Path) -> None:
+    """One torchrun rank: train every case on its shard, then sync weights from rank 0 to an engine."""
+    import anyio
+
+    from rollopt.engines.scripted import ScriptedEngine
+    from rollopt.trainer.distributed import init_from_env, sync_weights
+
+    class Recording(ScriptedEngine):
+        async def update_weights(self, weights, *, version=None):
+            self.received = weights
+            return await super().update_weights(weights, version=version)
+
+    dp = init_from_env("gloo")
+    trajectories = dp.broadcast_object(make_trajectories() if dp.rank == 0 else None)
+    saved: dict[str, Any] = {}
+    for mode in LOSS_AGGREGATIONS:
+        case = train_case(mode, trajectories, dp)
+        saved[mode] = {k: case[k] for k in ("metrics", "grads", "params")}
+    engine = Recording(lambda r: []) if dp.rank == 0 else None
+    saved["version"] = anyio.run(sync_weights, dp, engine, case["model"], 7)
+    saved["pushed"] = engine.received if engine is not None else None
+    torch.save(saved, out / f"rank{dp.rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_two_gloo_ranks_train_exactly_like_one_process(tmp_path):
+    from rollopt.engines.sglang_server import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    trajectories = make_trajectories()
+    for mode in LOSS_AGGREGATIONS:
+        one = train_case(mode, trajectories)
+        for rank in ranks:
+            two = rank[mode]
+            for key in ("loss", "grad_norm", "train_tokens", "clip_frac", "entropy", "ppo_kl"):
+                assert abs(two["metrics"][key] - one["metrics"][key]) < TOLERANCE, (mode, key)
+            assert max_diff(two["grads"], one["grads"]) < TOLERANCE, mode
+            assert max_diff(two["params"], one["params"]) < TOLERANCE, mode
+        assert max_diff(ranks[0][mode]["params"], ranks[1][mode]["params"]) == 0  # the ranks never diverge
+        print(f"\n{mode}: |loss diff| {abs(ranks[0][mode]['metrics']['loss'] - one['metrics']['loss']):.2e}, "
+              f"max |grad diff| {max_diff(ranks[0][mode]['grads'], one['grads']):.2e}, "
+              f"max |param diff| {max_diff(ranks[0][mode]['params'], one['params']):.2e}")
+    assert ranks[0]["version"] == ranks[1]["version"] == 7  # rank 1 learns the version from rank 0
+    assert ranks[1]["pushed"] is None  # only rank 0 talks to the engine
+    assert max_diff(ranks[0]["pushed"], ranks[0][LOSS_AGGREGATIONS[-1]]["params"]) == 0
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
