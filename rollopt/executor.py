@@ -81,14 +81,21 @@ class TrajectoryRun:
     last_node: str | None = None
     tool_scopes: list[anyio.CancelScope] = field(default_factory=list)
     early_tools: dict[str, "_ToolSlot"] = field(default_factory=dict)  # started while the turn decoded
+    _view: tuple[tuple, TrajectoryView] | None = field(default=None, repr=False, compare=False)
 
     @property
     def id(self) -> str:
         return self.traj.id
 
     def view(self) -> TrajectoryView:
-        stage = Stage.PREEMPTED if self.suspended else self.stage
-        return TrajectoryView(self.id, self.traj.group_id, self.turn, stage, self.traj.num_generated, self.carry_age)
+        """The policy's view of this trajectory; rebuilt only when what it shows changed (the executor asks
+        for every trajectory's view after each state change of any one of them)."""
+        key = (self.turn, self.stage, self.suspended, self.carry_age, len(self.traj))
+        if self._view is None or self._view[0] != key:
+            stage = Stage.PREEMPTED if self.suspended else self.stage
+            self._view = (key, TrajectoryView(self.id, self.traj.group_id, self.turn, stage, self.traj.num_generated,
+                                              self.carry_age))
+        return self._view[1]
 
 
 @dataclass(eq=False)
@@ -174,9 +181,20 @@ class RolloutExecutor:
             self._view = RolloutView(tuple(r.view() for r in self._runs), self._target, self._now())
         return self._view
 
-    def _notify(self) -> None:
-        """A stage changed: wake the gates and let the policy preempt."""
-        self._view = None
+    def _notify(self, changed: TrajectoryRun) -> None:
+        """``changed`` changed state: wake the gates and let the policy preempt.
+
+        Every change of a trajectory's state is followed by a notify naming it, so the next snapshot replaces
+        only that trajectory's entry (a tuple copy) instead of rebuilding every entry: the cost of a change
+        stays O(1) in Python work at hundreds of concurrent trajectories. A new trajectory (a fork) rebuilds.
+        """
+        old = self._view
+        pos = self._runs.index(changed)
+        if old is not None and pos < len(old.trajectories):
+            entries = old.trajectories
+            self._view = RolloutView(entries[:pos] + (changed.view(),) + entries[pos + 1:], self._target, self._now())
+        else:
+            self._view = None
         self._changed.set()
         self._changed = anyio.Event()
         for tid in self.policy.preempt(self.view()):
@@ -199,7 +217,7 @@ class RolloutExecutor:
         if stage is Stage.DONE and run.traj.group_id not in self._completion_order:
             if all(r.stage is Stage.DONE for r in self._runs if r.traj.group_id == run.traj.group_id):
                 self._completion_order.append(run.traj.group_id)
-        self._notify()
+        self._notify(run)
 
     # ------------------------------------------------------------------------------------------ driver
     async def _drive(self, run: TrajectoryRun) -> None:
@@ -225,7 +243,7 @@ class RolloutExecutor:
         run.suspended = True
         run.rid = None
         run.early_tools.clear()
-        self._notify()
+        self._notify(run)
 
     def _end(self, run: TrajectoryRun, status: Status, error: ErrorRecord | None = None) -> None:
         run.traj.finish(status, error)
@@ -249,7 +267,7 @@ class RolloutExecutor:
         node = self._graph.add("prefill", run.id, after=run.last_node, start=self._now(), tokens=len(run.traj))
         try:
             result = await self.engine.generate(GenerateRequest(f"{run.id}.prefill{run.turn}",
-                                                                tuple(int(t) for t in run.traj.token_ids),
+                                                                tuple(run.traj.token_ids.tolist()),
                                                                 SamplingParams(max_new_tokens=0),
                                                                 affinity=run.traj.group_id))
             self._graph.finish(node, self._now(), cached_tokens=result.cached_tokens)
@@ -282,7 +300,7 @@ class RolloutExecutor:
             return self._close_turn(run, FinishReason.LENGTH)
         while True:
             seed = None if sampling.seed is None else sampling.seed + 7919 * run.turn + 104729 * run.segments
-            request = GenerateRequest(f"{traj.id}.t{run.turn}.r{run.segments}", tuple(int(t) for t in traj.token_ids),
+            request = GenerateRequest(f"{traj.id}.t{run.turn}.r{run.segments}", tuple(traj.token_ids.tolist()),
                                       replace(sampling, max_new_tokens=room, seed=seed),
                                       priority=self.policy.priority(self.view(), run.id), affinity=traj.group_id,
                                       keep_warm_s=self.policy.keep_warm_s)

@@ -23,7 +23,9 @@ Every policy declares its :class:`RiskClass`; a policy without one cannot be reg
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import ClassVar
 
 
@@ -73,13 +75,23 @@ class RolloutView:
     by_id: dict[str, TrajectoryView] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "by_id", {t.id: t for t in self.trajectories})
+        object.__setattr__(self, "by_id", dict(zip([t.id for t in self.trajectories], self.trajectories)))
 
     def groups(self) -> dict[str, list[TrajectoryView]]:
         out: dict[str, list[TrajectoryView]] = {}
         for t in self.trajectories:
             out.setdefault(t.group_id, []).append(t)
         return out
+
+    @cached_property
+    def min_live_turn(self) -> int | None:
+        """The earliest turn any live trajectory is in (None when none is live); computed once per view."""
+        return min((t.turn for t in self.trajectories if t.live), default=None)
+
+    @cached_property
+    def live_not_in_tools(self) -> Counter[int]:
+        """Per turn, how many live trajectories are not running that turn's tools; computed once per view."""
+        return Counter(t.turn for t in self.trajectories if t.live and t.stage is not Stage.TOOLS)
 
     def complete_groups(self) -> list[str]:
         return [g for g, members in self.groups().items() if all(m.stage is Stage.DONE for m in members)]

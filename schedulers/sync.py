@@ -5,7 +5,7 @@ start only after the whole turn is decoded. The baseline every other policy is m
 
 from __future__ import annotations
 
-from rollopt.schedulers.base import Policy, RiskClass, RolloutView, Stage
+from rollopt.schedulers.base import Policy, RiskClass, RolloutView
 
 
 class SyncPolicy(Policy):
@@ -16,10 +16,10 @@ class SyncPolicy(Policy):
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         """Turn t starts once no live trajectory is still in turn t-1 (its generation or its tools)."""
         me = view.by_id[tid]
-        return all(t.turn >= me.turn for t in view.trajectories if t.live)
+        return view.min_live_turn is None or me.turn <= view.min_live_turn
 
     def may_run_tools(self, view: RolloutView, tid: str) -> bool:
-        """Turn t's tools start once every live trajectory has finished decoding turn t."""
+        """Turn t's tools start once every live trajectory has finished decoding turn t: none is in an earlier
+        turn, and every live one in turn t is running its tools."""
         me = view.by_id[tid]
-        return all(t.turn > me.turn or (t.turn == me.turn and t.stage is Stage.TOOLS)
-                   for t in view.trajectories if t.live)
+        return me.turn <= view.min_live_turn and view.live_not_in_tools[me.turn] == 0
