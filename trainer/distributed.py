@@ -24,15 +24,21 @@ explicit all-reduce per optimizer step has none of these problems. Sharding the 
 ``fully_shard``) for a model that does not fit one device is not done here; the row split and the global
 denominators above would carry over unchanged.
 
-Weight sync (:func:`sync_weights`): rank 0 pushes the updated weights to the inference engine (a
-``RoutedEngine`` fans them out to every server) and broadcasts the version it got; other ranks hold no engine.
+In the training loop (``torchrun ... -m rollopt.trainer.torchrun``) rank 0 is the usual
+:class:`~rollopt.trainer.loop.Trainer`: it alone rolls out, holds the engine, syncs weights and writes metrics
+and checkpoints. It sends the other ranks a :class:`Replica` once (its weights, by tensor broadcast, and its
+optimizer state and update settings), then one :class:`UpdateOrder` per update (the version, learning rate and
+trajectories), then ``None`` to stop; they run the same ``policy_update`` on their rows. Weight sync
+(:func:`sync_weights`): rank 0 pushes the updated weights to the inference engine (a ``RoutedEngine`` fans them
+out to every server) and every rank learns the version it got; other ranks hold no engine.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from datetime import timedelta
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import anyio
 import numpy as np
@@ -42,6 +48,11 @@ import torch.distributed as dist
 from rollopt.batch import TrainBatch
 from rollopt.engines.base import Engine
 from rollopt.errors import ConfigError
+from rollopt.trainer.offpolicy import OffPolicyConfig
+from rollopt.trajectory import Trajectory
+
+if TYPE_CHECKING:  # update.py imports this module
+    from rollopt.trainer.update import UpdateConfig
 
 
 def take_rows(batch: TrainBatch, index: torch.Tensor) -> TrainBatch:
@@ -133,14 +144,45 @@ class DataParallel(SingleProcess):
         return box[0]
 
 
-def init_from_env(backend: str | None = None) -> DataParallel:
+@dataclass(frozen=True)
+class Replica:
+    """What the other ranks need, besides rank 0's weights, to mirror rank 0 before its first update."""
+
+    optimizer_class: type
+    optimizer_state: dict[str, Any]  # ``optimizer.state_dict()``: hyperparameters and moments
+    update_config: "UpdateConfig"
+    off_policy: OffPolicyConfig
+    pad_token_id: int
+
+
+@dataclass(frozen=True)
+class UpdateOrder:
+    """One policy update, as rank 0 sends it: the version the batch trains at, the learning rate, the batch."""
+
+    version: int
+    lr: float
+    trajectories: list[Trajectory]
+
+
+def send_replica(dp: SingleProcess, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 update_config: "UpdateConfig", off_policy: OffPolicyConfig, pad_token_id: int) -> None:
+    """Rank 0's half of :func:`rollopt.trainer.torchrun.follow`'s start (nothing to do in one process)."""
+    if not isinstance(dp, DataParallel):
+        return
+    dp.broadcast_parameters(model)
+    dp.broadcast_object(Replica(type(optimizer), optimizer.state_dict(), update_config, off_policy, pad_token_id))
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 6 * 3600) -> DataParallel:
     """Join the process group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
-    ``backend`` defaults to ``nccl`` with CUDA, else ``gloo``."""
+    ``backend`` defaults to ``nccl`` with CUDA, else ``gloo``. ``timeout_s`` bounds every collective, including
+    the other ranks' wait for rank 0's next order while it rolls out (torch's default, 30 min, can be too short)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ConfigError(f"not started by torchrun (no {', '.join(missing)} in the environment); "
                           "run `torchrun --nproc-per-node N ...`")
-    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                            timeout=timedelta(seconds=timeout_s))
     return DataParallel()
 
 

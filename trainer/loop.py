@@ -47,6 +47,7 @@ from rollopt.timeline import timeline_totals, write_trace
 from rollopt.trajectory import Status, Trajectory
 from rollopt.trainer.attribution import WeightHistory, attribute_mismatch
 from rollopt.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from rollopt.trainer.distributed import SingleProcess, UpdateOrder, send_replica
 from rollopt.trainer.metrics import rollout_metrics
 from rollopt.trainer.recipe import Recipe
 from rollopt.trainer.update import UpdateConfig, policy_update
@@ -99,12 +100,16 @@ def engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class Trainer:
-    """Runs a recipe; see the module docstring. ``log`` receives each step's metrics dict as it is written."""
+    """Runs a recipe; see the module docstring. ``log`` receives each step's metrics dict as it is written.
+    Under ``torchrun`` this is rank 0 with ``data_parallel`` (:mod:`rollopt.trainer.distributed`): it alone rolls
+    out, syncs weights and writes; each update is sent to the other ranks and runs data-parallel."""
 
     def __init__(self, recipe: Recipe, out_dir: str | Path, resume: bool = False,
                  log: Callable[[dict[str, Any]], None] = lambda m: None,
-                 progress: Callable[[str], None] = lambda msg: None) -> None:
+                 progress: Callable[[str], None] = lambda msg: None,
+                 data_parallel: SingleProcess | None = None) -> None:
         self.recipe, self.out_dir, self.log, self.progress = recipe, Path(out_dir), log, progress
+        self.dp = data_parallel or SingleProcess()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(recipe.loop.seed)
         self.model, self.tokenizer, self.model_name = build_trainable(recipe)
@@ -190,8 +195,9 @@ class Trainer:
                 split = attribute_mismatch(self.model, trajs, current, self.weights,  # before the update
                                            sequences=self.recipe.attribution.sequences, seed=batch.step,
                                            temperature=self.recipe.rollout.temperature, pad_token_id=self.pad_token_id)
+                self.dp.broadcast_object(UpdateOrder(current, self.optimizer.param_groups[0]["lr"], trajs))
                 return {**split, **policy_update(self.model, self.optimizer, trajs, current, self.update_config,
-                                                 self.recipe.off_policy, self.pad_token_id)}
+                                                 self.recipe.off_policy, self.pad_token_id, self.dp)}
 
             metrics.update(await anyio.to_thread.run_sync(attribute_and_update))
         t1 = time.perf_counter()
@@ -253,7 +259,11 @@ class Trainer:
         from rollopt.trainer.plots import plot_curves
 
         async with self._engine() as engine:
+            await anyio.to_thread.run_sync(send_replica, self.dp, self.model, self.optimizer, self.update_config,
+                                           self.recipe.off_policy, self.pad_token_id)
             out = await self.run_with_engine(engine)
+            await anyio.to_thread.run_sync(self.dp.broadcast_object, None)  # the other ranks stop (on a failure
+            # torchrun stops them: a stop sent from here could meet a different collective)
         plot_curves(self.metrics_path, self.out_dir / "curves.png", title=self.recipe.name)
         return out
 
@@ -289,4 +299,12 @@ class Trainer:
                     async with SGLangEngine(server.base_url) as engine:
                         yield engine
 
-        return local() if r.engine == "local" else sglang()
+        @asynccontextmanager
+        async def servers():
+            from rollopt.engines.routed import RoutedEngine
+            from rollopt.engines.sglang import SGLangEngine
+
+            async with RoutedEngine([SGLangEngine(url) for url in r.servers]) as engine:
+                yield engine
+
+        return {"local": local, "sglang": sglang, "servers": servers}[r.engine]()

@@ -47,7 +47,8 @@ class WarmStartSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
-    engine: str = "local"  # "local" (embedded) or "sglang" (a real server, started for the run)
+    engine: str = "local"  # "local" (embedded), "sglang" (a real server, started for the run) or "servers"
+    servers: tuple[str, ...] = ()  # engine = "servers": base URLs of running SGLang servers, routed (RoutedEngine)
     scheduler: str = "overlap+prefix"
     tasks_per_step: int = 8  # GRPO groups per step
     group_size: int = 8
@@ -113,8 +114,11 @@ class Recipe:
             raise ConfigError("async needs off_policy.max_staleness >= 1; use loop.mode = 'sync' for on-policy")
         if self.algorithm.loss_agg not in LOSS_AGGREGATIONS:
             raise ConfigError(f"algorithm.loss_agg {self.algorithm.loss_agg!r}; use one of {LOSS_AGGREGATIONS}")
-        if self.rollout.engine not in ("local", "sglang"):
-            raise ConfigError(f"rollout.engine {self.rollout.engine!r}; use 'local' or 'sglang'")
+        if self.rollout.engine not in ("local", "sglang", "servers"):
+            raise ConfigError(f"rollout.engine {self.rollout.engine!r}; use 'local', 'sglang' or 'servers'")
+        if (self.rollout.engine == "servers") != bool(self.rollout.servers):
+            raise ConfigError("rollout.engine = 'servers' goes with rollout.servers = [\"http://host:port\", ...] "
+                              "(running SGLang servers), and rollout.servers only with it")
         if self.rollout.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need two samples")
         for name, value in [("loop.steps", self.loop.steps), ("rollout.tasks_per_step", self.rollout.tasks_per_step),
