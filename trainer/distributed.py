@@ -28,9 +28,9 @@ In the training loop (``torchrun ... -m rollopt.trainer.torchrun``) rank 0 is th
 :class:`~rollopt.trainer.loop.Trainer`: it alone rolls out, holds the engine, syncs weights and writes metrics
 and checkpoints. It sends the other ranks a :class:`Replica` once (its weights, by tensor broadcast, and its
 optimizer state and update settings), then one :class:`UpdateOrder` per update (the version, learning rate and
-trajectories), then ``None`` to stop; they run the same ``policy_update`` on their rows. Weight sync
-(:func:`sync_weights`): rank 0 pushes the updated weights to the inference engine (a ``RoutedEngine`` fans them
-out to every server) and every rank learns the version it got; other ranks hold no engine.
+trajectories), then ``None`` to stop; they run the same ``policy_update`` on their rows. Weight sync: after
+each update rank 0 pushes its weights to the inference engine (a ``RoutedEngine`` fans them out to every
+server); the other ranks hold no engine and learn each version from the next order.
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ from datetime import timedelta
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-import anyio
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from rollopt.batch import TrainBatch
-from rollopt.engines.base import Engine
 from rollopt.errors import ConfigError
 from rollopt.trainer.offpolicy import OffPolicyConfig
 from rollopt.trajectory import Trajectory
@@ -184,18 +182,3 @@ def init_from_env(backend: str | None = None, timeout_s: float = 6 * 3600) -> Da
     dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
                             timeout=timedelta(seconds=timeout_s))
     return DataParallel()
-
-
-async def sync_weights(dp: SingleProcess, engine: Engine | None, model: torch.nn.Module, version: int) -> int:
-    """Rank 0 loads ``model``'s weights into ``engine`` as ``version``; every rank returns the version the engine
-    reports (broadcast from rank 0). Ranks other than 0 pass ``engine=None``."""
-    if dp.rank != 0:
-        if engine is not None:
-            raise ConfigError(f"rank {dp.rank} was given an engine; only rank 0 syncs weights")
-        new_version = None
-    else:
-        if engine is None:
-            raise ConfigError("rank 0 needs the engine to sync weights to")
-        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # the optimizer mutates the originals
-        new_version = await engine.update_weights(weights, version=version)
-    return int(await anyio.to_thread.run_sync(dp.broadcast_object, new_version))

@@ -262,8 +262,8 @@ class Trainer:
             await anyio.to_thread.run_sync(send_replica, self.dp, self.model, self.optimizer, self.update_config,
                                            self.recipe.off_policy, self.pad_token_id)
             out = await self.run_with_engine(engine)
-            await anyio.to_thread.run_sync(self.dp.broadcast_object, None)  # the other ranks stop (on a failure
-            # torchrun stops them: a stop sent from here could meet a different collective)
+            # the other ranks stop; on a failure torchrun stops them (a stop sent then could meet another collective)
+            await anyio.to_thread.run_sync(self.dp.broadcast_object, None)
         plot_curves(self.metrics_path, self.out_dir / "curves.png", title=self.recipe.name)
         return out
 
