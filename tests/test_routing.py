@@ -159,6 +159,24 @@ async def test_no_healthy_server_left_raises_engine_failure_with_the_partial():
         assert not await engine.health()
 
 
+async def test_a_stream_that_ends_without_a_result_counts_as_a_failure_of_its_server():
+    class Truncating(ScriptedEngine):  # breaks the Engine contract: stops after 3 tokens, no result
+        async def stream(self, request):
+            async with aclosing(super().stream(request)) as chunks:
+                async for chunk in chunks:
+                    if chunk.result is None and len(request.input_ids) == 1:
+                        yield chunk
+                        if chunk.token_ids[0] == request.input_ids[0] + 3:
+                            return
+
+    broken, healthy = Truncating(counting), ScriptedEngine(counting)
+    async with RoutedEngine([broken, healthy], names=["a", "b"]) as engine:
+        key = key_preferring(engine.router, 0)
+        res = await engine.generate(GenerateRequest("r", (1,), greedy(10), affinity=key))
+        assert res.output_ids == list(range(2, 12)) and [s.healthy for s in engine.stats()] == [False, True]
+        assert "ended without a result" in engine.stats()[0].last_error
+
+
 async def test_caller_abort_ends_the_request_with_its_tokens_and_is_not_resumed():
     a, b = ScriptedEngine(counting, token_delay_s=0.005), ScriptedEngine(counting, token_delay_s=0.005)
     async with RoutedEngine([a, b], names=["a", "b"]) as engine:

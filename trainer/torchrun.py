@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipe", required=True, help="the TOML recipe (the same file on every node)")
     parser.add_argument("--out", required=True, help="rank 0's output directory")
     parser.add_argument("--resume", action="store_true", help="rank 0 continues from DIR/checkpoints/latest")
-    parser.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--backend", default=None,
+                        help="torch.distributed backend (default: nccl with CUDA, else gloo)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     try:

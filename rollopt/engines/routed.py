@@ -33,7 +33,7 @@ is a separate HTTP gateway process in front of the servers, and (1) its cache-aw
 request *text*, while rollopt sends token ids (token-in, token-out) and knows the exact affinity (group id);
 (2) it retries a request only before streaming starts, so a server dying mid-stream loses the request's
 position, while here the stream continues on another server from its partial tokens; (3) the client would not
-see which server produced a token or each server's weight version. This router is ~300 lines over the engine
+see which server produced a token or each server's weight version. This router is a few hundred lines over the engine
 interface, works with any engine (the tests also run it over scripted engines), and needs no extra process.
 Limits: a server marked unhealthy stays out until a new ``RoutedEngine`` is opened; the weight broadcast over
 ``torch.distributed`` (``SGLangEngine.update_weights_from_distributed``) is per server, not fanned out here.
@@ -304,7 +304,10 @@ class RoutedEngine(Engine):
                         yield self._last_chunk(flight, flight.result(result.finish_reason, result),
                                                chunk.token_ids)
                         return
+                raise EngineFailure(f"request {flight.request.rid}: the stream of {self.router.names[index]} "
+                                    "ended without a result")  # broke the Engine contract: treat as a failure
             except EngineFailure as exc:
+                flight.server = None  # not drained with the others: it resumes below
                 if exc.partial is not None:
                     self._count_prefill(stats, flight, exc.partial)
                 extra = self._take_partial(flight, exc.partial)
