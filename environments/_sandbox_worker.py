@@ -25,6 +25,7 @@ import select
 import signal
 import struct
 import sys
+import time
 import traceback
 
 _HEADER = struct.Struct("!I")
@@ -193,11 +194,30 @@ def _drain(fd: int, output: bytearray, omitted: int, cap: int) -> int:
 
 
 def _kill_all() -> None:
-    """SIGKILL every process this uid may signal in the sandbox's pid namespace (all but pid 1 and us)."""
+    """SIGKILL every process this uid may signal in the sandbox's pid namespace (all but pid 1 and us) and wait
+    until each is dead (gone, or a zombie pid 1 will reap), so nothing of a call runs once its reply is sent."""
+    me = os.getpid()
+    while True:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        if all(_state(pid) in ("Z", "X", "") for pid in _pids() if pid not in (1, me)):
+            return
+        time.sleep(0.001)
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (``""`` once it is gone)."""
     try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _empty(directory: str) -> None:

@@ -151,7 +151,8 @@ class _Worker:
             raise _WorkerLost(f"{type(exc).__name__}: {exc}") from exc
 
     async def kill(self) -> None:
-        """Kill the sandbox's namespace init (the kernel then kills every process in it), reap, clean up."""
+        """Kill the sandbox's namespace init: the kernel kills every process in the namespace before the init
+        can be reaped, and bwrap exits only after reaping it, so once bwrap is gone no sandboxed process runs."""
         with anyio.CancelScope(shield=True):
             if self.init_pidfd is not None:
                 try:
@@ -160,9 +161,9 @@ class _Worker:
                     pass
                 os.close(self.init_pidfd)
                 self.init_pidfd = None
-            if self.process.returncode is None:
+            elif self.process.returncode is None:  # the init is not known yet: --die-with-parent kills it
                 self.process.kill()
-            await self.process.wait()  # bwrap exits only after it reaped the init, i.e. after the namespace died
+            await self.process.wait()
             await self.process.aclose()
             await anyio.to_thread.run_sync(shutil.rmtree, self.scratch, True)
 
@@ -387,8 +388,9 @@ class SandboxPool:
         os.chown(scratch, uid, uid)
         info_r, info_w = os.pipe()
         try:
-            process = await anyio.open_process(_command(self.bwrap, scratch, info_w, self._worker_config(uid)),
-                                               pass_fds=(info_w,), start_new_session=True)
+            with anyio.CancelScope(shield=True):  # a process started but not handed back would leak
+                process = await anyio.open_process(_command(self.bwrap, scratch, info_w, self._worker_config(uid)),
+                                                   pass_fds=(info_w,), start_new_session=True)
         except BaseException:
             self._free_slots.append(slot)
             os.close(info_r)
@@ -401,10 +403,10 @@ class SandboxPool:
         self._workers.add(worker)
         try:
             with anyio.fail_after(_START_TIMEOUT_S):
+                worker.init_pidfd = os.pidfd_open(await anyio.to_thread.run_sync(_read_init_pid, info_r))
                 ready = await worker.replies.receive_until(b"\n", 4096)
             if json.loads(ready) != {"status": "ready"}:
                 raise ValueError(ready)
-            worker.init_pidfd = os.pidfd_open(_read_init_pid(info_r))
         except Exception as exc:
             stderr = await _read_stderr(process)
             await self._drop(worker)
@@ -460,7 +462,7 @@ def _command(bwrap: str, scratch: Path, info_fd: int, config: dict) -> list[str]
 
 
 def _read_init_pid(fd: int) -> int:
-    """bwrap's ``--info-fd`` JSON (written before the supervisor started, so it is all there)."""
+    """The host pid of the sandbox's init, from bwrap's ``--info-fd`` JSON (written as the sandbox starts)."""
     data = b""
     while True:
         chunk = os.read(fd, 4096)

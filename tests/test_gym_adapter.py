@@ -2,7 +2,10 @@
 
 import random
 
-from rollopt import ChatRenderer, SamplingParams, ScriptedEngine, Status, ToolCall, ToolContext, episode_specs, run_rollout
+from rollopt import (
+    ChatRenderer, SamplingParams, ScriptedEngine, Status, ToolCall, ToolContext, episode_specs, parse_tool_calls,
+    run_rollout,
+)
 from rollopt.environments import GymTextEnv
 from rollopt.step import execute_tool_call
 from rollopt.testing import check_environment
@@ -38,22 +41,24 @@ async def test_each_trajectory_plays_its_own_game():
     assert task.prompt.endswith("I picked a number from 1 to 5.")
     secret = random.Random(task.info["seed"]).randint(1, 5)
     wrong = str(secret % 5 + 1)
-    a = await execute_tool_call(env.tools(), ToolCall("c", "act", {"action": wrong}), context=ToolContext("a", task))
-    b = await execute_tool_call(env.tools(), ToolCall("c", "act", {"action": str(secret)}), context=ToolContext("b", task))
+    def act(action, trajectory_id):
+        call = ToolCall("c", "act", {"action": action})
+        return execute_tool_call(env.tools(), call, context=ToolContext(trajectory_id, task))
+
+    a, b = await act(wrong, "a"), await act(str(secret), "b")
     assert '"return": -0.1' in a.content and '"terminated": true' in b.content
     assert not env.step(task, 0, _parsed(wrong), [a]).done
     outcome = env.step(task, 0, _parsed(str(secret)), [b])
     assert outcome.done and outcome.reward == 1.0
-    over = await execute_tool_call(env.tools(), ToolCall("c", "act", {"action": "1"}), context=ToolContext("b", task))
+    over = await act("1", "b")
     assert over.error.kind == "episode_over"
     await env.close_episode("a")
     await env.close_episode("b")
-    again = await execute_tool_call(env.tools(), ToolCall("c", "act", {"action": wrong}), context=ToolContext("b", task))
+    again = await act(wrong, "b")
     assert again.ok and '"return": -0.1' in again.content  # a closed episode's id starts a new game
 
 
 def _parsed(action):
-    from rollopt import parse_tool_calls
     return parse_tool_calls(f'<tool_call>{{"name": "act", "arguments": {{"action": "{action}"}}}}</tool_call>')
 
 

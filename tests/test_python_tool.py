@@ -5,7 +5,9 @@ import json
 
 import anyio
 
-from rollopt import ChatRenderer, SamplingParams, ScriptedEngine, Status, ToolCall, ToolContext, episode_specs, run_rollout
+from rollopt import (
+    ChatRenderer, SamplingParams, ScriptedEngine, Status, ToolCall, ToolContext, episode_specs, run_rollout,
+)
 from rollopt.environments import PythonToolEnv, build_environment
 from rollopt.environments.sandbox import SandboxLimits, SandboxPool
 from rollopt.step import execute_tool_call

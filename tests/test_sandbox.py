@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -37,7 +40,7 @@ def descendants(pid: int) -> set[int]:
 
 
 def processes_of(pool: SandboxPool) -> set[int]:
-    """Host pids running under any of the pool's worker uids."""
+    """Host pids of live (not zombie) processes under any of the pool's worker uids."""
     low, high = pool.uid_base, pool.uid_base + pool.size + pool.max_sessions
     pids = set()
     for entry in Path("/proc").iterdir():
@@ -46,8 +49,8 @@ def processes_of(pool: SandboxPool) -> set[int]:
                 status = (entry / "status").read_text()
             except OSError:
                 continue
-            uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
-            if low <= uid < high:
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if low <= int(fields["Uid"].split()[0]) < high and not fields["State"].strip().startswith("Z"):
                 pids.add(int(entry.name))
     return pids
 
@@ -337,3 +340,13 @@ async def test_fault_injection_in_sessions_loses_no_trajectory():
             if fault == "ok":
                 count += 1
                 assert result.output == f"{count}\n"
+
+
+def test_bench_script_writes_its_report(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "bench" / "sandbox.py"
+    subprocess.run([sys.executable, str(script), "--repeats", "1", "--calls", "4", "--concurrency", "1,2",
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=240)
+    report = json.loads((tmp_path / "sandbox.json").read_text())
+    assert report["cold_over_warm_median"] > 1
+    assert set(report["throughput_calls_per_s"]["io"]) == {"1", "2"}
+    assert (tmp_path / "sandbox.png").stat().st_size > 10_000

@@ -32,9 +32,10 @@ def test_the_context_parameter_is_hidden_from_the_model():
 
 async def test_context_is_passed_and_tool_failed_keeps_its_kind():
     task = Task(id="t0", prompt="p")
-    result = await execute_tool_call([whoami], ToolCall("c", "whoami", {"greeting": "hi"}), context=ToolContext("tr", task))
+    call = ToolCall("c", "whoami", {"greeting": "hi"})
+    result = await execute_tool_call([whoami], call, context=ToolContext("tr", task))
     assert result.content == "hi tr t0"
-    outside = await execute_tool_call([whoami], ToolCall("c", "whoami", {"greeting": "hi"}))
+    outside = await execute_tool_call([whoami], call)
     assert outside.content == "hi  -"
     failed = await execute_tool_call([refuse], ToolCall("c", "refuse", {"reason": "no more"}))
     assert failed.error == ErrorRecord("quota_exceeded", "no more")
