@@ -213,7 +213,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                       f"{r.statistic:.3g}", "-" if r.p_value is None else f"{r.p_value:.3g}", str(r.n))
 
     try:
-        results = anyio.run(validate, specs, None, row)
+        results = anyio.run(lambda: validate(specs, None, row, e2e=args.e2e))
     except RolloptError as exc:
         print(f"validate: {exc}", file=sys.stderr)
         return 2
@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--all", action="store_true", help="every registered policy")
     validate.add_argument("--engine", default="local", choices=["local", "sglang"], help="only local for now")
     validate.add_argument("--json", type=Path, default=None, help="write one record per check")
+    validate.add_argument("--e2e", action="store_true",
+                          help="also a short training run per policy: reward curve vs sync (slower, ~10 s each)")
     validate.set_defaults(func=_cmd_validate)
     serve = sub.add_parser("serve-sglang", help="run an SGLang server (sglang==0.5.23, CPU) for an HF model directory")
     serve.add_argument("--model", required=True, type=Path, help="HF model directory (config.json + safetensors)")

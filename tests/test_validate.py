@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from rollopt.schedulers import SCHEDULERS, Policy, RiskClass
-from rollopt.validate import Harness, ValidationConfig, check_distribution, check_off_policy, check_token_parity, validate
+from rollopt.validate import (Harness, ValidationConfig, check_distribution, check_e2e, check_off_policy,
+                              check_token_parity, validate)
 
 
 class TruncatingPolicy(Policy):
@@ -80,3 +81,26 @@ async def test_an_off_policy_rollout_without_a_correction_fails(harness):
 async def test_a_policy_without_a_risk_class_fails_validation():
     results = await validate([UndeclaredPolicy()], ValidationConfig())
     assert [(r.check, r.passed) for r in results] == [("risk-class", False)]
+
+
+async def test_e2e_an_r1_policy_trains_the_identical_reward_curve():
+    """Token parity (batch-invariant engine, invariant prefill, seeded sampling) carries over to training."""
+    h = Harness(ValidationConfig(e2e_steps=4))
+    result = await check_e2e(h, "overlap+prefix")
+    assert result.passed and result.check == "e2e" and result.n == 4 and result.statistic == 0.0
+    assert result.detail["reward_curve"] == result.detail["sync_reward_curve"]
+    assert result.detail["loop_mode"] == "sync"
+
+
+@pytest.mark.slow
+def test_validate_e2e_all_policies_within_tolerance(tmp_path):
+    from rollopt.cli import main
+
+    out = tmp_path / "validate.json"
+    assert main(["validate", "--all", "--e2e", "--json", str(out)]) == 0
+    e2e = [r for r in json.loads(out.read_text()) if r["check"] == "e2e"]
+    assert {r["scheduler"] for r in e2e} == set(SCHEDULERS)
+    for r in e2e:
+        assert r["passed"] and r["statistic"] <= r["detail"]["tolerance"] and r["n"] == 8
+        if r["risk_class"] == "R1":
+            assert r["statistic"] == 0.0
