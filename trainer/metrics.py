@@ -8,7 +8,9 @@ log π (the trainer's pre-update weights), log r = log π − log μ, estimators
 
 Each is reported per staleness bucket (lag = trainer version − token version): ``lag0`` isolates inference
 numerics (same weights, different kernels), ``lag1``, ``lag2plus`` add version lag. A run whose gap lives in
-``lag0`` has a numerics problem; one whose gap grows with lag has an asynchrony problem.
+``lag0`` has a numerics problem; one whose gap grows with lag has an asynchrony problem. Caveat: with in-place
+weight updates (async modes) a request in flight keeps KV computed by older weights, which shows up in ``lag0``
+too; :mod:`rollopt.trainer.attribution` splits the gap of stale tokens exactly by rescoring them.
 """
 
 from __future__ import annotations
