@@ -17,6 +17,7 @@ the rest (``omitted``). What a runner reports about itself is only as trustworth
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -34,22 +35,21 @@ _REPORTED = {"ok", "exception", "memory", "file_size", "processes"}
 
 
 def _confine(cfg: dict) -> None:
-    """In a fresh runner: limits first (lowering needs no privilege), then the worker's uid."""
+    """A fresh runner's limits (inherited by whatever it starts)."""
     cpu, mem, fsize = cfg["cpu_s"], cfg["memory_bytes"], cfg["file_size_bytes"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NPROC, (cfg["max_processes"] + 1,) * 2)  # +1: the supervisor's uid too
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    os.setsid()
 
 
 def _classify(exc: BaseException) -> str:
     if isinstance(exc, MemoryError):
         return "memory"
-    if isinstance(exc, OSError) and exc.errno == 27:  # EFBIG: RLIMIT_FSIZE
+    if isinstance(exc, OSError) and exc.errno == errno.EFBIG:  # RLIMIT_FSIZE
         return "file_size"
-    if isinstance(exc, BlockingIOError) and exc.errno == 11:  # EAGAIN from fork: RLIMIT_NPROC
+    if isinstance(exc, BlockingIOError) and exc.errno == errno.EAGAIN:  # fork under RLIMIT_NPROC
         return "processes"
     return "exception"
 
@@ -156,8 +156,6 @@ class _Runner:
     def close(self) -> None:
         """Kill the runner and every other process of this uid, then close the pipes."""
         _kill_all()
-        if self.pid:
-            os.waitpid(self.pid, 0)
         for fd in (self.out, self.ctl, self.status, self.pidfd):
             os.close(fd)
 
@@ -195,29 +193,22 @@ def _drain(fd: int, output: bytearray, omitted: int, cap: int) -> int:
 
 def _kill_all() -> None:
     """SIGKILL every process this uid may signal in the sandbox's pid namespace (all but pid 1 and us) and wait
-    until each is dead (gone, or a zombie pid 1 will reap), so nothing of a call runs once its reply is sent."""
+    until each is reaped (our runner by us, orphans by pid 1), so nothing of a call runs, or counts against the
+    next call's process limit, once its reply is sent."""
     me = os.getpid()
     while True:
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        if all(_state(pid) in ("Z", "X", "") for pid in _pids() if pid not in (1, me)):
+            pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+        if not [pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) not in (1, me)]:
             return
         time.sleep(0.001)
-
-
-def _pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def _state(pid: int) -> str:
-    """The process state letter from /proc (``""`` once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def _empty(directory: str) -> None:

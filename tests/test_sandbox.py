@@ -265,7 +265,7 @@ FAULT_PROGRAMS = {
 }
 EXPECTED_KIND = {"ok": None, "crash": "sandbox_crash", "kill": "sandbox_crash", "hang": "sandbox_timeout",
                  "memory": "sandbox_memory", "output": "sandbox_output_truncated"}
-HANG_DEADLINE_S = 0.5
+HANG_DEADLINE_S = 2.0  # short, yet long enough that a loaded 2-core CI machine never times out a quick call
 
 
 def fault_plan(n: int, seed: int) -> list[str]:
@@ -279,12 +279,12 @@ def fault_plan(n: int, seed: int) -> list[str]:
 
 
 async def test_fault_injection_every_call_returns_one_typed_result_and_the_pool_recovers():
-    """1,000 stateless calls, 4 at a time, with injected crashes, hangs, memory blow-ups and huge outputs."""
+    """1,000 stateless calls, 6 at a time, with injected crashes, hangs, memory blow-ups and huge outputs."""
     plan = fault_plan(1000, seed=0)
     results: dict[int, tuple] = {}
     next_call = iter(range(len(plan)))
     limits = SandboxLimits(timeout_s=HANG_DEADLINE_S, cpu_s=5, memory_mb=128, max_output_bytes=2000)
-    async with SandboxPool(4, limits) as pool:
+    async with SandboxPool(6, limits) as pool:
         async def worker() -> None:
             for i in next_call:
                 started = anyio.current_time()
@@ -293,19 +293,18 @@ async def test_fault_injection_every_call_returns_one_typed_result_and_the_pool_
                 results[i] = (result, anyio.current_time() - started)
 
         async with anyio.create_task_group() as tg:
-            for _ in range(4):
+            for _ in range(6):
                 tg.start_soon(worker)
         with anyio.fail_after(60):
             await pool.wait_ready()
-        assert pool.idle == 4 and len(processes_of(pool)) == 4
+        assert pool.idle == 6 and len(processes_of(pool)) == 6
     assert sorted(results) == list(range(1000))  # every call has exactly one result
     for i, fault in enumerate(plan):
         result, elapsed = results[i]
         assert (result.error.kind if result.error else None) == EXPECTED_KIND[fault], (i, fault, result)
         if fault == "ok":
             assert result.output == "1\n"  # a fresh interpreter each time: nothing leaked from other calls
-        if fault == "hang":
-            assert elapsed < HANG_DEADLINE_S + 10.0  # returned at its deadline (+ waiting for a worker)
+        assert elapsed < HANG_DEADLINE_S + 10.0  # no call stuck past its deadline (+ waiting for a worker)
     assert sum(fault != "ok" for fault in plan) == 140
     assert processes_of(pool) == set()
 
@@ -313,7 +312,8 @@ async def test_fault_injection_every_call_returns_one_typed_result_and_the_pool_
 async def test_fault_injection_in_sessions_loses_no_trajectory():
     """20 trajectories x 10 calls in sessions: state survives what the interpreter survives, and a call after
     a crash or a hang says the interpreter was restarted."""
-    trajectories = {f"traj{t}": fault_plan(10, seed=t) for t in range(20)}
+    plan = fault_plan(200, seed=1)
+    trajectories = {f"traj{t}": plan[10 * t:10 * t + 10] for t in range(20)}
     outcomes: dict[str, list] = {}
     limits = SandboxLimits(timeout_s=HANG_DEADLINE_S, cpu_s=5, memory_mb=128, max_output_bytes=2000)
     async with SandboxPool(2, limits, max_sessions=4) as pool:
@@ -328,6 +328,7 @@ async def test_fault_injection_in_sessions_loses_no_trajectory():
             await pool.wait_ready()
         assert pool.sessions == 0 and len(processes_of(pool)) == 2
     assert sorted(outcomes) == sorted(trajectories)
+    assert sum(fault != "ok" for fault in plan) == 28
     for tid, plan in trajectories.items():
         assert len(outcomes[tid]) == len(plan)
         count, lost = 0, False
