@@ -188,9 +188,8 @@ def chrome_trace(graph: RolloutGraph) -> dict[str, Any]:
         for i, lane in enumerate(_lanes([d for d in nodes if d["kind"] == "tool"])):
             lane_tid = track(f"{traj} tools {i}")
             events += [_slice("tool call", "tool", lane_tid, d["start"], d["end"], **_scalar_args(d)) for d in lane]
-    changes = sorted([(d["start"], 1) for d in _timed(graph) if d["kind"] in _ENGINE_KINDS]
-                     + [(d["end"], -1) for d in _timed(graph) if d["kind"] in _ENGINE_KINDS],
-                     key=lambda c: (c[0], c[1]))
+    requests = [d for d in _timed(graph) if d["kind"] in _ENGINE_KINDS]
+    changes = sorted([(d["start"], 1) for d in requests] + [(d["end"], -1) for d in requests])  # ends first on ties
     in_flight = 0
     for t, delta in changes:
         in_flight += delta

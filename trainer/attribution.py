@@ -24,10 +24,12 @@ that computes what the trainer computes gives numerics exactly 0. "Numerics" is 
 at equal weights: kernels, and also context KV that the engine computed with *older* weights — a request in
 flight across an in-place weight update (the embedded engine and SGLang both keep its KV) samples version-v
 tokens on top of version-(v−1) KV, which rescoring with v recomputes. On the fp32 embedded engine the kernels
-agree to ~1e-6, so a numerics term well above that measures this mixed-KV effect. This complements the staleness buckets of
-:func:`rollopt.trainer.metrics.mismatch_by_staleness` (``lag0`` is numerics on fresh tokens; ``lag1`` and
-``lag2plus`` mix both): rescoring separates the two on the stale tokens themselves. Cost: one forward of the
-sampled sequences per version they hold, plus one with the current weights.
+agree to ~1e-6, so a numerics term well above that measures this mixed-KV effect.
+
+This complements the staleness buckets of :func:`rollopt.trainer.metrics.mismatch_by_staleness` (``lag0`` is
+numerics on fresh tokens; ``lag1`` and ``lag2plus`` mix both): rescoring separates the two on the stale tokens
+themselves. Cost: one forward of the sampled sequences per version they hold, plus one with the current weights
+(counted in ``train_s``).
 """
 
 from __future__ import annotations
