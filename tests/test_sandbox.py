@@ -130,6 +130,20 @@ async def test_cannot_read_files_outside_scratch(tmp_path):
     assert result.output == "0\n"
 
 
+async def test_runs_unprivileged_and_sees_only_its_own_processes():
+    async with SandboxPool(1, LIMITS) as pool:
+        result = await pool.run(program("""
+            import json, os
+            status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+            print(os.getuid(), int(status["CapEff"], 16), int(status["NoNewPrivs"]))
+            print(json.dumps([int(p) for p in os.listdir("/proc") if p.isdigit()]))
+        """))
+    ids, pids = result.output.splitlines()
+    uid, caps, no_new_privs = map(int, ids.split())
+    assert uid == pool.uid_base and caps == 0 and no_new_privs == 1
+    assert max(json.loads(pids)) < 10  # the sandbox's own pid namespace: init, the supervisor, this call
+
+
 async def test_cannot_open_a_network_connection():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
