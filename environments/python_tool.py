@@ -9,7 +9,9 @@ episode ends. The reward is 1.0 when the final turn says ``<answer>N</answer>`` 
 
 The environment owns no pool until it is entered: run rollouts inside ``async with PythonToolEnv() as env``
 (or pass an open pool). Outside, ``run_python`` fails with a ``sandbox_unavailable`` record. A forked
-trajectory starts a fresh interpreter (a process cannot be cloned into another sandbox).
+trajectory starts a fresh interpreter (a process cannot be cloned into another sandbox), and so does a
+trajectory whose running call was cancelled (e.g. preempted): a half-run program's interpreter is killed, and
+the next call's output starts with a note that earlier variables are gone.
 """
 
 from __future__ import annotations
