@@ -1,5 +1,7 @@
 """The embedded engine against HF transformers, and its batching, caching, abort, pause and update semantics."""
 
+import time
+
 import anyio
 import pytest
 import torch
@@ -137,6 +139,31 @@ def test_a_pin_expires_at_its_deadline_and_is_released_when_reused():
     assert cache.lookup([1, 2, 9], max_tokens=2)[0] == 2  # reused: the pin is released
     assert cache.lookup([7, 8, 9], max_tokens=2)[0] == 2  # now [1, 2] is the least recently used leaf
     assert cache.insert([5, 6], 2, kv) == 1 and cache.lookup([1, 2, 9], 2)[0] == 0  # and, unpinned, evicted
+
+
+async def test_requests_arriving_during_a_tick_leave_its_queue_alone(peaked_model, monkeypatch):
+    """The tick runs in a worker thread while the event loop accepts new requests; the tick's queue must not
+    change under it (an append during its priority sort raised 'list modified during sort')."""
+    changed = []
+    original = LocalEngine._tick
+
+    def slow_tick(self):
+        before = list(self._waiting)
+        time.sleep(0.01)  # the event loop runs meanwhile: requests arrive now
+        changed.append(self._waiting != before)
+        original(self)
+
+    monkeypatch.setattr(LocalEngine, "_tick", slow_tick)
+    results = [None] * 12
+    async with engine(peaked_model) as eng:
+        async with anyio.create_task_group() as tg:
+            for i in range(12):
+                async def run(i=i):
+                    results[i] = await eng.generate(GenerateRequest(f"r{i}", prompt(8, seed=i), GREEDY))
+                tg.start_soon(run)
+                await anyio.sleep(0.004)
+    assert len(changed) > 12 and not any(changed)
+    assert [len(r.output_ids) for r in results] == [GREEDY.max_new_tokens] * 12
 
 
 async def _gather(eng, requests):

@@ -195,7 +195,8 @@ class LocalEngine(Engine):
         self.version = 0
         self.stats = EngineStats()
         self._slots: list[_Request | None] = [None] * cfg.max_running
-        self._waiting: list[_Request] = []
+        self._waiting: list[_Request] = []  # the tick's queue: touched only by the loop, between or in ticks
+        self._arrivals: list[_Request] = []  # new requests, appended by stream() even while a tick runs
         self._live: dict[str, _Request] = {}
         self._order = itertools.count()
         self._commands: list[_Command] = []
@@ -266,7 +267,7 @@ class LocalEngine(Engine):
         seed = request.sampling.seed if request.sampling.seed is not None else self.engine_config.seed + order
         r = _Request(req=request, send=send, generator=torch.Generator().manual_seed(seed), order=order)
         self._live[request.rid] = r
-        self._waiting.append(r)
+        self._arrivals.append(r)  # not _waiting: a tick in the worker thread may be sorting it right now
         self._wakeup.set()
         finished = False
         try:
@@ -329,7 +330,7 @@ class LocalEngine(Engine):
     def _has_work(self) -> bool:
         if self._paused is not None:
             return False
-        return bool(self._waiting) or any(s is not None for s in self._slots)
+        return bool(self._waiting or self._arrivals) or any(s is not None for s in self._slots)
 
     async def _loop(self) -> None:
         try:
@@ -358,6 +359,9 @@ class LocalEngine(Engine):
                     command.done.set()
 
     def _apply_commands(self) -> None:
+        """Between ticks, in the event loop: admit new arrivals to the queue, then apply queued commands."""
+        arrivals, self._arrivals = self._arrivals, []
+        self._waiting.extend(arrivals)
         commands, self._commands = self._commands, []
         for command in commands:
             try:
