@@ -38,8 +38,8 @@ def test_logits_match_hf_forward(tokenizer, family, tied):
     ours.prefill(kv, 1, ids[:25], 0)  # chunked prefill into slot 1
     last = ours.prefill(kv, 1, ids[25:59], 25)
     assert (last - ref[58]).abs().max() < 1e-4
-    step = ours.decode(kv, torch.tensor([0, ids[59]]), torch.tensor([0, 59]), torch.tensor([False, True]))
-    assert (step[1] - ref[59]).abs().max() < 1e-4
+    step = ours.decode(kv, torch.tensor([ids[59]]), torch.tensor([59]), torch.tensor([1]))  # slot 1 only
+    assert (step[0] - ref[59]).abs().max() < 1e-4
 
 
 async def test_greedy_tokens_equal_hf_generate(tokenizer, peaked_model):
@@ -365,3 +365,21 @@ async def test_invariant_prefill_makes_a_resumed_prefix_bit_identical_to_its_dec
         assert rest.output_ids == full.output_ids[k:]
         diffs += [abs(a - b) for a, b in zip(rest.logprobs, full.logprobs[k:])]
     assert (max(diffs) == 0.0) is invariant
+
+
+def test_sampling_draws_from_the_filtered_distribution_it_reports():
+    from scipy.stats import chisquare
+
+    from rollopt.engines.sampling import filtered_logprobs, sample_token
+
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 2
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
+    probs = filtered_logprobs(logits, params).exp()
+    generator = torch.Generator().manual_seed(0)
+    draws = [sample_token(logits, params, generator) for _ in range(4000)]
+    counts = torch.bincount(torch.tensor([t for t, _ in draws]), minlength=64).double()
+    kept = probs > 0
+    assert counts[~kept].sum() == 0  # nothing outside top-k / top-p is ever drawn
+    assert all(abs(lp - float(probs[t].log())) < 1e-6 for t, lp in draws[:50])  # the logprob of that distribution
+    expected = probs[kept].double() / probs[kept].double().sum() * counts.sum()
+    assert chisquare(counts[kept].numpy(), expected.numpy()).pvalue > 1e-3

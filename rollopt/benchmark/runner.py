@@ -38,7 +38,7 @@ class BenchRun:
 
 def local_engine(model: LoadedModel, workload: Workload) -> LocalEngine:
     cfg = LocalEngineConfig(max_running=workload.max_running, max_context=4096, prefix_cache_tokens=65536,
-                            kv_budget_mb=12288)
+                            kv_budget_mb=12288, threads=1)  # one core for the engine, one for the event loop
     return LocalEngine(model.config, model.state_dict, cfg, tokenizer=model.tokenizer, model_name=model.name)
 
 

@@ -2,8 +2,8 @@
 
 Greedy (``temperature == 0``): argmax, logprob under the raw softmax. Otherwise: logits / temperature, then
 top-k, then top-p (smallest set whose mass reaches ``top_p``, always keeping the top token), renormalized;
-the token is drawn from that distribution with the request's own ``torch.Generator`` and its logprob is taken
-from the same distribution. Rows are independent, so a row's result never depends on the rest of the batch.
+the token is drawn from that distribution with the request's own ``torch.Generator`` (one uniform draw, inverse
+CDF) and its logprob is taken from the same distribution. Rows are independent, so a row's result never depends on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     logprobs = filtered_logprobs(logits, params)
     if params.temperature == 0:
         token = int(torch.argmax(logits))
-    else:
-        token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+    else:  # inverse CDF with one uniform draw (several times cheaper than torch.multinomial on one row)
+        cdf = torch.cumsum(logprobs.exp().double(), 0)
+        u = torch.rand((), generator=generator, dtype=torch.float64)
+        token = int(torch.searchsorted(cdf, u * cdf[-1], right=True))  # a filtered token has a zero-width bin
     return token, float(logprobs[token])

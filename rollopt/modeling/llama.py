@@ -245,39 +245,34 @@ class LlamaModel:
         return self._logits(h[0, -1:], tiled=tiled)[0]
 
     @torch.inference_mode()
-    def decode(self, kv: SlotKV, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """One decode step for slots ``0..B-1``: slot ``b`` feeds ``tokens[b]`` at ``positions[b]``.
-
-        Only rows where ``active`` is true write KV; inactive rows (free or prefilling slots) are computed and
-        ignored. Returns float32 logits ``[B, vocab]``.
+    def decode(self, kv: SlotKV, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One decode step for the running requests only: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` into
+        slot ``slots[b]`` (distinct slots, any order), writes its KV there and attends over ``[0, positions[b]]``
+        of that slot. Free and prefilling slots cost nothing. Returns float32 logits ``[len(slots), vocab]``.
         """
         B = tokens.shape[0]
-        rows = torch.nonzero(active).flatten()
-        pos_active = positions[rows]
-        T = int(pos_active.max()) + 1
-        if not self.batch_invariant:
-            mask = torch.arange(T)[None, :] <= positions[:, None]
-            mask[~active] = False
-            mask[~active, 0] = True  # keep softmax finite on ignored rows
-            mask = mask[:, None, None, :]
-        row_lengths = [(int(r), int(p) + 1) for r, p in zip(rows, pos_active)]
+        lengths = (positions + 1).tolist()
+        slot_list = slots.tolist()
         s = self.shape
         group = s.num_heads // s.num_kv_heads
+        if not self.batch_invariant:
+            T = max(lengths)
+            mask = (torch.arange(T)[None, :] <= positions[:, None])[:, None, None, :]
         h = self.embed[tokens][:, None]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, positions[:, None], tiled=True)
-            kv.k[li, rows, :, pos_active] = k[rows, :, 0]
-            kv.v[li, rows, :, pos_active] = v[rows, :, 0]
+            kv.k[li, slots, :, positions] = k[:, :, 0]
+            kv.v[li, slots, :, positions] = v[:, :, 0]
             # One query token per row: fold each KV head's group of query heads into the query-length axis,
             # so attention runs on the cache as it is (no GQA head repetition, no copy of K/V).
             qg = q.reshape(B, s.num_kv_heads, group, s.head_dim)
-            if self.batch_invariant:
-                attn = torch.zeros_like(qg)
-                for r, n in row_lengths:
-                    attn[r:r + 1] = F.scaled_dot_product_attention(
-                        qg[r:r + 1], kv.k[li, r:r + 1, :, :n], kv.v[li, r:r + 1, :, :n])
+            if self.batch_invariant:  # row by row over its own length: independent of the batch
+                attn = torch.empty_like(qg)
+                for b, (slot, n) in enumerate(zip(slot_list, lengths)):
+                    attn[b:b + 1] = F.scaled_dot_product_attention(
+                        qg[b:b + 1], kv.k[li, slot:slot + 1, :, :n], kv.v[li, slot:slot + 1, :, :n])
             else:
-                attn = F.scaled_dot_product_attention(qg, kv.k[li, :B, :, :T], kv.v[li, :B, :, :T], attn_mask=mask)
+                attn = F.scaled_dot_product_attention(qg, kv.k[li, slots, :, :T], kv.v[li, slots, :, :T], attn_mask=mask)
             attn = attn.reshape(B, s.num_heads, 1, s.head_dim)
             h = self._finish_layer(layer, h, attn, tiled=True)
         return self._logits(h[:, 0], tiled=True)
