@@ -51,7 +51,7 @@ async def scripted_wall(env, specs, renderer, policy: str, vocab: int) -> float:
 
 async def engine_busy(env, specs, renderer, policy: str, model) -> float:
     engine = LocalEngine(model.config, model.state_dict, LocalEngineConfig(max_running=256, max_context=1024,
-                                                                           prefix_cache_tokens=65536))
+                                                                           prefix_cache_tokens=65536, threads=1))
     async with engine:
         await RolloutExecutor(env, engine, renderer, policy).run(specs)
     return engine.stats.busy_s
