@@ -48,7 +48,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
                          tokenizer=model.tokenizer, model_name=model.name)
 
     async def go():
-        async with engine:
+        async with engine, env:  # an environment may hold resources for the rollout (python_tool: sandboxes)
             started = time.perf_counter()
             trajs = await run_rollout(env, engine, renderer, specs, args.scheduler)
             return trajs, time.perf_counter() - started

@@ -317,6 +317,14 @@ class Environment(abc.ABC):
         """The tool schemas the prompt shows (``None`` when :attr:`show_tool_schemas` is off)."""
         return [t.schema for t in self.tools()] if self.show_tool_schemas else None
 
+    async def __aenter__(self) -> "Environment":
+        """Acquire what the tools need for a whole rollout (e.g. a sandbox pool); ``async with env:`` around a
+        rollout works for every environment. Default: nothing to acquire."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Release what :meth:`__aenter__` acquired. Default: nothing."""
+
     async def close_episode(self, trajectory_id: str) -> None:
         """Called once when an episode ends, however it ended, to release what its tools held for it (e.g. a
         sandbox session keyed by :attr:`ToolContext.trajectory_id`). Must not raise. Default: nothing to release."""
