@@ -55,7 +55,8 @@ def mismatch_by_staleness(behavior_logprobs: torch.Tensor, trainer_logprobs: tor
 
 def rollout_metrics(trajectories: Sequence[Trajectory], max_new_tokens: int | None = None) -> dict[str, float]:
     """Reward, response length, truncation rate, turns, tool calls and failure counts of one batch."""
-    rewards = np.array([t.reward if t.reward is not None else np.nan for t in trajectories], dtype=float)
+    # sorted: the batch's statistics must not depend on the order trajectories finished in (float sums do)
+    rewards = np.sort(np.array([t.reward if t.reward is not None else np.nan for t in trajectories], dtype=float))
     lengths = np.array([t.num_generated for t in trajectories], dtype=float)
     turns = np.array([len(t.turns) for t in trajectories], dtype=float)
     calls = np.array([len(t.tool_calls) for t in trajectories], dtype=float)
