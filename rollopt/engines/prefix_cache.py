@@ -77,20 +77,12 @@ class PrefixCache:
         ``[layers, kv_heads, n, dim]`` (``None`` when ``n == 0``). Releases the pins of the blocks it reuses."""
         self.stats.lookups += 1
         self._clock += 1
-        found: list[_Block] = []
-        h, parent = 0, None
-        for j in range(max_tokens // self.block_size):
-            toks = self._block_tokens(tokens, j)
-            h = hash((h, toks))
-            block = self._get(h, toks, parent)
-            if block is None:
-                break
+        found = self._cached_chain(tokens, max_tokens)
+        for block in found:
             block.last_used = self._clock
             if block.pinned_until > float("-inf"):
                 block.pinned_until = float("-inf")
                 self.stats.pin_hits += 1
-            found.append(block)
-            parent = block
         if not found:
             return 0, None, None
         n = len(found) * self.block_size
@@ -129,18 +121,25 @@ class PrefixCache:
     def pin(self, tokens: Sequence[int], valid: int, until: float) -> int:
         """Hold the cached chain of ``tokens[:valid]`` until time ``until`` (or until a lookup reuses it).
         Returns the number of tokens now pinned (only full blocks already cached can be pinned)."""
-        h, parent, deepest, n = 0, None, None, 0
-        for j in range(valid // self.block_size):
+        chain = self._cached_chain(tokens, valid)
+        if chain:
+            chain[-1].pinned_until = max(chain[-1].pinned_until, until)
+            self.stats.pinned += 1
+        return len(chain) * self.block_size
+
+    def _cached_chain(self, tokens: Sequence[int], max_tokens: int) -> list[_Block]:
+        """The cached blocks of the longest block prefix of ``tokens[:max_tokens]``, root first."""
+        chain: list[_Block] = []
+        h, parent = 0, None
+        for j in range(max_tokens // self.block_size):
             toks = self._block_tokens(tokens, j)
             h = hash((h, toks))
             block = self._get(h, toks, parent)
             if block is None:
                 break
-            deepest, parent, n = block, block, n + self.block_size
-        if deepest is not None:
-            deepest.pinned_until = max(deepest.pinned_until, until)
-            self.stats.pinned += 1
-        return n
+            chain.append(block)
+            parent = block
+        return chain
 
     def _evict_one(self, protect: _Block | None) -> bool:
         now = self.now()
