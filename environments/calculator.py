@@ -88,6 +88,10 @@ class CalculatorEnv(Environment):
         show_tool_schemas: render the tool's JSON schema into the prompt (off for a model warm-started on
             the tool, which makes the prompt ~400 tokens shorter).
         system_prompt: replace the default system prompt ("" for none).
+        demo_slip_rate: share of :meth:`demonstration` episodes written by a careless tutor, who makes every
+            call right but writes the answer as plain text, without the ``<answer>`` tags (so it scores 0). A warm
+            start on them learns the tool format and the habit; RL on the reward has to unlearn it. 0 (the
+            default) gives correct demonstrations only.
     """
 
     name = "calculator"
@@ -97,11 +101,15 @@ class CalculatorEnv(Environment):
     )
 
     def __init__(self, difficulty: int = 2, max_operand: int = 50, max_turns: int = 8, few_shot: bool = False,
-                 show_tool_schemas: bool = True, system_prompt: str | None = None) -> None:
+                 show_tool_schemas: bool = True, system_prompt: str | None = None,
+                 demo_slip_rate: float = 0.0) -> None:
         if not 1 <= difficulty <= 6:
             raise ValueError(f"difficulty must be in 1..6, got {difficulty}")
         if max_operand < 4:
             raise ValueError("max_operand must be >= 4")
+        if not 0.0 <= demo_slip_rate <= 1.0:
+            raise ValueError(f"demo_slip_rate must be in [0, 1], got {demo_slip_rate}")
+        self.demo_slip_rate = demo_slip_rate
         self.difficulty, self.max_operand, self.max_turns = difficulty, max_operand, max_turns
         self.few_shot = few_shot
         self.show_tool_schemas = show_tool_schemas
@@ -150,16 +158,20 @@ class CalculatorEnv(Environment):
         return out
 
     def demonstration(self, task: Task) -> list[Message]:
-        """One ``calculate`` call per step (the previous result as the left operand), then the answer."""
+        """One ``calculate`` call per step (the previous result as the left operand), then the answer; or, for a
+        ``demo_slip_rate`` share of tasks (chosen by a generator seeded with the task id), the careless version
+        that makes every call but gives the answer without the ``<answer>`` tags the score needs."""
         messages: list[Message] = []
-        value = None
+        results: list[int | float] = []
         for step in task.info["steps"]:
-            expression = step if value is None else f"{value} {step}"
-            value = evaluate(expression)
+            expression = step if not results else f"{results[-1]} {step}"
+            results.append(evaluate(expression))
             call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
             messages += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-                         {"role": "tool", "content": str(value)}]
-        return messages + [{"role": "assistant", "content": f"<answer>{value}</answer>"}]
+                         {"role": "tool", "content": str(results[-1])}]
+        slips = random.Random(task.id).random() < self.demo_slip_rate
+        answer = f"The answer is {results[-1]}." if slips else f"<answer>{results[-1]}</answer>"
+        return messages + [{"role": "assistant", "content": answer}]
 
     def score(self, task: Task, final_text: str) -> float:
         found = ANSWER_RE.findall(final_text)

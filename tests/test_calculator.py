@@ -32,6 +32,22 @@ def test_score_is_exact_match_on_answer_tag():
     assert env.score(task, f"the answer is {task.answer}") == 0.0
 
 
+def test_careless_demonstrations_make_the_same_calls_but_answer_without_the_tag():
+    tasks = CalculatorEnv(difficulty=2).tasks(400, seed=5)
+    correct, careless = CalculatorEnv(difficulty=2), CalculatorEnv(difficulty=2, demo_slip_rate=0.8)
+    scores = []
+    for task in tasks:
+        good, slipped = correct.demonstration(task), careless.demonstration(task)
+        assert good[:-1] == slipped[:-1]  # every call and tool result is the same
+        assert correct.score(task, good[-1]["content"]) == 1.0
+        scores.append(careless.score(task, slipped[-1]["content"]))
+        assert str(task.answer) in slipped[-1]["content"]
+    assert careless.demonstration(tasks[0]) == careless.demonstration(tasks[0])  # seeded by the task id
+    assert 0.15 <= sum(scores) / len(scores) <= 0.25
+    with pytest.raises(ValueError, match="demo_slip_rate"):
+        CalculatorEnv(demo_slip_rate=1.5)
+
+
 @pytest.mark.parametrize("expr", ["__import__('os')", "2 ** 1000", "x + 1", "1 if 1 else 2", "9" * 300])
 def test_evaluate_refuses_anything_but_arithmetic(expr):
     with pytest.raises((ValueError, SyntaxError)):
