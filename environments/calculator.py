@@ -162,15 +162,15 @@ class CalculatorEnv(Environment):
         ``demo_slip_rate`` share of tasks (chosen by a generator seeded with the task id), the careless version
         that makes every call but gives the answer without the ``<answer>`` tags the score needs."""
         messages: list[Message] = []
-        results: list[int | float] = []
+        value = None
         for step in task.info["steps"]:
-            expression = step if not results else f"{results[-1]} {step}"
-            results.append(evaluate(expression))
+            expression = step if value is None else f"{value} {step}"
+            value = evaluate(expression)
             call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
             messages += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-                         {"role": "tool", "content": str(results[-1])}]
+                         {"role": "tool", "content": str(value)}]
         slips = random.Random(task.id).random() < self.demo_slip_rate
-        answer = f"The answer is {results[-1]}." if slips else f"<answer>{results[-1]}</answer>"
+        answer = f"The answer is {value}." if slips else f"<answer>{value}</answer>"
         return messages + [{"role": "assistant", "content": answer}]
 
     def score(self, task: Task, final_text: str) -> float:

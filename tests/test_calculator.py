@@ -42,7 +42,8 @@ def test_careless_demonstrations_make_the_same_calls_but_answer_without_the_tag(
         assert correct.score(task, good[-1]["content"]) == 1.0
         scores.append(careless.score(task, slipped[-1]["content"]))
         assert str(task.answer) in slipped[-1]["content"]
-    assert careless.demonstration(tasks[0]) == careless.demonstration(tasks[0])  # seeded by the task id
+    again = CalculatorEnv(difficulty=2, demo_slip_rate=0.8)  # the slips are seeded by the task id alone
+    assert [again.demonstration(t) for t in tasks] == [careless.demonstration(t) for t in tasks]
     assert 0.15 <= sum(scores) / len(scores) <= 0.25
     with pytest.raises(ValueError, match="demo_slip_rate"):
         CalculatorEnv(demo_slip_rate=1.5)
