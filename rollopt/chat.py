@@ -59,6 +59,7 @@ class ChatRenderer:
         self.end_of_turn_token = end_of_turn_token or tokenizer.eos_token
         self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(self.end_of_turn_token))
         self._stand_in_text: str | None = None
+        self._ids_containing: dict[str, frozenset[int]] = {}
 
     def _text(self, messages: Sequence[Message], tools: Sequence[dict] | None, generation_prompt: bool) -> str:
         if tools and not self.template_renders_tools:
@@ -77,6 +78,15 @@ class ChatRenderer:
         if ids and ids[-1] == self.end_of_turn_id:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def ids_containing(self, char: str) -> frozenset[int]:
+        """Every token id whose vocabulary piece contains ``char`` (a superset of those whose text does, for
+        byte-level and byte-fallback vocabularies alike, since an ASCII ``char`` is its own piece or in its
+        ``<0xNN>`` name). A streaming parser uses it to skip decoding chunks that cannot complete a tag."""
+        if char not in self._ids_containing:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._ids_containing[char] = frozenset(i for i, p in enumerate(pieces) if p is not None and char in p)
+        return self._ids_containing[char]
 
     def prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the initial prompt, ending with the assistant generation prompt."""

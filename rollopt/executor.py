@@ -22,6 +22,7 @@ Guarantees (tests check each):
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -34,7 +35,7 @@ from rollopt.errors import EngineError, ErrorRecord
 from rollopt.graph import RolloutGraph
 from rollopt.schedulers import Policy, RolloutView, Stage, TrajectoryView, build_scheduler
 from rollopt.step import Environment, Task, ToolContext, execute_tool_call
-from rollopt.toolcalls import ParsedTurn, ToolCallStream
+from rollopt.toolcalls import CLOSE_TAG, ParsedTurn, ToolCallStream
 from rollopt.trajectory import Status, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
 
 MAX_RESUBMITS = 8
@@ -144,7 +145,8 @@ class RolloutExecutor:
             run.preempt_requested = run.suspended = False
             run.last_node = self._graph.add("prompt", run.id, start=self._now(), resumed=True)
             self._graph.finish(run.last_node, self._now())
-        self._runs = carried + [self._start(spec) for spec in specs]
+        prompts: dict[str, list[int]] = {}  # rendered once per distinct initial conversation (a GRPO group's)
+        self._runs = carried + [self._start(spec, prompts) for spec in specs]
         self._completion_order: list[str] = []
         async with anyio.create_task_group() as self._tg:
             for run in list(self._runs):
@@ -163,8 +165,12 @@ class RolloutExecutor:
         self._graph.close(end)
         return RolloutResult(out, self._graph, end, len(self.carry_over), self._preempted, self._streamed)
 
-    def _start(self, spec: EpisodeSpec) -> TrajectoryRun:
-        prompt = self.renderer.prompt(self.env.reset(spec.task), self._tool_schemas)
+    def _start(self, spec: EpisodeSpec, prompts: dict[str, list[int]]) -> TrajectoryRun:
+        messages = self.env.reset(spec.task)
+        key = json.dumps(messages, sort_keys=True, default=repr)
+        if key not in prompts:
+            prompts[key] = self.renderer.prompt(messages, self._tool_schemas)
+        prompt = prompts[key]
         traj = Trajectory.start(spec.trajectory_id, spec.task.id, spec.group_id, prompt)
         run = TrajectoryRun(spec=spec, traj=traj)
         run.last_node = self._graph.add("prompt", run.id, start=self._now(), tokens=len(prompt))
@@ -184,17 +190,13 @@ class RolloutExecutor:
     def _notify(self, changed: TrajectoryRun) -> None:
         """``changed`` changed state: wake the gates and let the policy preempt.
 
-        Every change of a trajectory's state is followed by a notify naming it, so the next snapshot replaces
-        only that trajectory's entry (a tuple copy) instead of rebuilding every entry: the cost of a change
-        stays O(1) in Python work at hundreds of concurrent trajectories. A new trajectory (a fork) rebuilds.
+        Every change of a trajectory's state is followed by a notify naming it, so the next snapshot is the
+        last one with only that trajectory's entry replaced (:meth:`RolloutView.with_entry`): the cost of a
+        change stays O(1) in Python work at hundreds of concurrent trajectories. A new trajectory (a fork)
+        rebuilds the snapshot.
         """
         old = self._view
-        pos = self._runs.index(changed)
-        if old is not None and pos < len(old.trajectories):
-            entries = old.trajectories
-            self._view = RolloutView(entries[:pos] + (changed.view(),) + entries[pos + 1:], self._target, self._now())
-        else:
-            self._view = None
+        self._view = old.with_entry(changed.view(), self._now()) if old is not None and changed.id in old else None
         self._changed.set()
         self._changed = anyio.Event()
         for tid in self.policy.preempt(self.view()):
@@ -293,6 +295,7 @@ class RolloutExecutor:
             run.turn_start, run.segments = len(traj), 0
         run.suspended = False
         parser = ToolCallStream(id_prefix=f"{run.id}.t{run.turn}.c") if self.policy.early_tool_start else None
+        closers = self.renderer.ids_containing(CLOSE_TAG[-1]) if parser is not None else frozenset()
         fed = 0
         already = len(traj) - run.turn_start
         room = min(sampling.max_new_tokens - already, self._max_context - len(traj))
@@ -321,7 +324,7 @@ class RolloutExecutor:
                     vers += chunk.versions
                     if chunk.result is not None:
                         result = chunk.result
-                    if parser is not None and chunk.token_ids:
+                    if parser is not None and not closers.isdisjoint(chunk.token_ids):  # a call may have closed
                         fed = self._start_early_tools(run, parser, fed, traj.token_ids[run.turn_start:].tolist() + ids)
             except EngineError as exc:
                 failure = exc
@@ -478,6 +481,7 @@ class RolloutExecutor:
     def _fork(self, run: TrajectoryRun) -> None:
         """Branch after this turn: the trajectory continues as branch 0; clones 1..m-1 share its tokens."""
         run.traj.metadata["fork_point"] = (run.id, run.turn)
+        self._view = None  # the snapshot gains the children
         children = []
         for j in range(1, run.spec.fork_branches):
             traj = copy.deepcopy(run.traj)

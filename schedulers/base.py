@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import ClassVar
 
 
@@ -64,18 +63,89 @@ class TrajectoryView:
         return self.stage not in (Stage.DONE, Stage.PREEMPTED)
 
 
+@dataclass
+class _Tally:
+    """What policies ask of a view on every state change, kept so that replacing one trajectory's entry
+    updates it in O(1) Python work (plus copies of a few dicts no larger than the number of turns or groups),
+    instead of a pass over every trajectory. Counts are plain dicts without zero entries."""
+
+    positions: dict[str, int]  # trajectory id -> index; shared by the views of a batch until one is added
+    group_size: dict[str, int]  # in order of first appearance; shared like ``positions``
+    live_turns: dict[int, int]  # turn -> live trajectories in it
+    live_not_in_tools: dict[int, int]  # turn -> live trajectories in it not running its tools
+    group_done: dict[str, int]  # group -> members done
+    generated_tokens: int
+
+    @classmethod
+    def of(cls, entries: tuple[TrajectoryView, ...]) -> "_Tally":
+        tally = cls({t.id: i for i, t in enumerate(entries)}, dict(Counter(t.group_id for t in entries)), {}, {}, {}, 0)
+        for t in entries:
+            tally._count(t, +1)
+        return tally
+
+    def replaced(self, old: TrajectoryView, new: TrajectoryView) -> "_Tally":
+        tally = _Tally(self.positions, self.group_size, self.live_turns.copy(), self.live_not_in_tools.copy(),
+                       self.group_done.copy(), self.generated_tokens)
+        tally._count(old, -1)
+        tally._count(new, +1)
+        return tally
+
+    def _count(self, t: TrajectoryView, sign: int) -> None:
+        self.generated_tokens += sign * t.generated_tokens
+        if t.stage is Stage.DONE:
+            _bump(self.group_done, t.group_id, sign)
+        elif t.stage is not Stage.PREEMPTED:  # live
+            _bump(self.live_turns, t.turn, sign)
+            if t.stage is not Stage.TOOLS:
+                _bump(self.live_not_in_tools, t.turn, sign)
+
+
+def _bump(counts: dict, key, delta: int) -> None:
+    n = counts.get(key, 0) + delta
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
 @dataclass(frozen=True)
 class RolloutView:
     """A snapshot of one batch. ``target_groups`` is how many complete groups the batch must return (None:
-    all of them)."""
+    all of them).
+
+    Built once from its entries in O(n); :meth:`with_entry` derives the next snapshot after one trajectory
+    changed in O(1) Python work, so a policy's per-change questions (``view[tid]``, ``min_live_turn``,
+    ``complete_groups()``, ``generated_tokens``) stay cheap at hundreds of concurrent trajectories.
+    """
 
     trajectories: tuple[TrajectoryView, ...]
     target_groups: int | None = None
     now: float = 0.0
-    by_id: dict[str, TrajectoryView] = field(init=False, repr=False, compare=False)
+    _tally: _Tally = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "by_id", dict(zip([t.id for t in self.trajectories], self.trajectories)))
+        object.__setattr__(self, "_tally", _Tally.of(self.trajectories))
+
+    def with_entry(self, entry: TrajectoryView, now: float) -> "RolloutView":
+        """This view with the entry of trajectory ``entry.id`` replaced by ``entry``, at time ``now``."""
+        pos = self._tally.positions[entry.id]
+        view = object.__new__(RolloutView)
+        object.__setattr__(view, "trajectories", self.trajectories[:pos] + (entry,) + self.trajectories[pos + 1:])
+        object.__setattr__(view, "target_groups", self.target_groups)
+        object.__setattr__(view, "now", now)
+        object.__setattr__(view, "_tally", self._tally.replaced(self.trajectories[pos], entry))
+        return view
+
+    def __getitem__(self, tid: str) -> TrajectoryView:
+        return self.trajectories[self._tally.positions[tid]]
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._tally.positions
+
+    @property
+    def group_order(self) -> tuple[str, ...]:
+        """Group ids in order of first appearance."""
+        return tuple(self._tally.group_size)
 
     def groups(self) -> dict[str, list[TrajectoryView]]:
         out: dict[str, list[TrajectoryView]] = {}
@@ -83,22 +153,23 @@ class RolloutView:
             out.setdefault(t.group_id, []).append(t)
         return out
 
-    @cached_property
+    @property
     def min_live_turn(self) -> int | None:
-        """The earliest turn any live trajectory is in (None when none is live); computed once per view."""
-        return min((t.turn for t in self.trajectories if t.live), default=None)
+        """The earliest turn any live trajectory is in (None when none is live)."""
+        return min(self._tally.live_turns, default=None)
 
-    @cached_property
-    def live_not_in_tools(self) -> Counter[int]:
-        """Per turn, how many live trajectories are not running that turn's tools; computed once per view."""
-        return Counter(t.turn for t in self.trajectories if t.live and t.stage is not Stage.TOOLS)
+    def live_not_in_tools(self, turn: int) -> int:
+        """How many live trajectories are in ``turn`` and not running its tools."""
+        return self._tally.live_not_in_tools.get(turn, 0)
 
     def complete_groups(self) -> list[str]:
-        return [g for g, members in self.groups().items() if all(m.stage is Stage.DONE for m in members)]
+        """Groups whose members are all done, in order of first appearance."""
+        done = self._tally.group_done
+        return [g for g, size in self._tally.group_size.items() if done.get(g, 0) == size]
 
     @property
     def generated_tokens(self) -> int:
-        return sum(t.generated_tokens for t in self.trajectories)
+        return self._tally.generated_tokens
 
 
 class Policy:

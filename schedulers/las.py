@@ -23,4 +23,4 @@ class LeastAttainedServicePolicy(Policy):
     risk_class = RiskClass.R1
 
     def priority(self, view: RolloutView, tid: str) -> int:
-        return -view.by_id[tid].generated_tokens
+        return -view[tid].generated_tokens

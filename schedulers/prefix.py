@@ -19,5 +19,5 @@ class PrefixPolicy(Policy):
 
     def priority(self, view: RolloutView, tid: str) -> int:
         """Earlier groups first, so one group's members are admitted together (higher = sooner)."""
-        order = list(view.groups())
-        return len(order) - order.index(view.by_id[tid].group_id)
+        order = view.group_order
+        return len(order) - order.index(view[tid].group_id)

@@ -15,11 +15,11 @@ class SyncPolicy(Policy):
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         """Turn t starts once no live trajectory is still in turn t-1 (its generation or its tools)."""
-        me = view.by_id[tid]
+        me = view[tid]
         return view.min_live_turn is None or me.turn <= view.min_live_turn
 
     def may_run_tools(self, view: RolloutView, tid: str) -> bool:
         """Turn t's tools start once every live trajectory has finished decoding turn t: none is in an earlier
         turn, and every live one in turn t is running its tools."""
-        me = view.by_id[tid]
-        return me.turn <= view.min_live_turn and view.live_not_in_tools[me.turn] == 0
+        me = view[tid]
+        return me.turn <= view.min_live_turn and view.live_not_in_tools(me.turn) == 0

@@ -1,6 +1,8 @@
 """Scheduling policies: pure decision logic on hand-built views (no engine, no clock), then the executor on the
 scripted engine (scheduling logic) and on the embedded engine (R1 parity, prefix sharing, preemption)."""
 
+import random
+
 import pytest
 
 from rollopt import ChatRenderer, ConfigError, LocalEngine, LocalEngineConfig, RolloutExecutor, SamplingParams
@@ -63,6 +65,45 @@ def test_warm_asks_for_a_ttl_and_combinations_keep_the_longest():
     assert build_scheduler("overlap+warm", keep_warm_s=12.5).keep_warm_s == 12.5
     with pytest.raises(ValueError, match="keep_warm_s"):
         build_scheduler("warm", keep_warm_s=0)
+
+
+def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scratch():
+    """The executor derives each snapshot from the last one (with_entry); its counts must equal a rebuild's."""
+    rng = random.Random(0)
+    entries = [TrajectoryView(f"t{i}", f"g{i // 4}", 0, Stage.GATE, 0) for i in range(24)]
+    derived = RolloutView(tuple(entries), target_groups=2)
+    for step in range(400):
+        i = rng.randrange(len(entries))
+        old = entries[i]
+        entries[i] = TrajectoryView(old.id, old.group_id, old.turn + rng.randint(0, 1), rng.choice(list(Stage)),
+                                    old.generated_tokens + rng.randint(0, 9), old.carry_age)
+        derived = derived.with_entry(entries[i], now=float(step))
+        rebuilt = RolloutView(tuple(entries), target_groups=2)
+        assert derived.trajectories == rebuilt.trajectories and derived.now == step
+        assert derived.min_live_turn == rebuilt.min_live_turn == min((t.turn for t in entries if t.live), default=None)
+        assert derived.complete_groups() == rebuilt.complete_groups()
+        assert derived.generated_tokens == rebuilt.generated_tokens == sum(t.generated_tokens for t in entries)
+        for turn in range(0, 6):
+            expected = sum(t.live and t.turn == turn and t.stage is not Stage.TOOLS for t in entries)
+            assert derived.live_not_in_tools(turn) == rebuilt.live_not_in_tools(turn) == expected
+        assert derived[entries[i].id] is entries[i]
+
+
+def test_scripted_engine_counts_the_longest_prefix_shared_with_any_earlier_sequence():
+    engine = ScriptedEngine(lambda r: [])
+    rng = random.Random(1)
+    earlier: list[tuple[int, ...]] = []
+    for _ in range(300):
+        if earlier and rng.random() < 0.7:
+            base = rng.choice(earlier)
+            ids = base[: rng.randint(0, len(base))] + tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 5)))
+        else:
+            ids = tuple(rng.randint(0, 70_000) for _ in range(rng.randint(0, 8)))
+        shared = max((next((k for k, (a, b) in enumerate(zip(ids, e)) if a != b), min(len(ids), len(e)))
+                      for e in earlier), default=0)
+        assert engine._cached(ids) == max(0, min(shared, len(ids) - 1))  # the last prompt token is always computed
+        engine._remember(ids)
+        earlier.append(ids)
 
 
 def test_build_scheduler_combines_by_name():

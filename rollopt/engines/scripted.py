@@ -3,9 +3,11 @@ fixed logprob, after an optional per-token delay. It runs no model; never use it
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, AsyncIterator, Callable
 
 import anyio
+import numpy as np
 
 from rollopt.engines.base import (
     Engine, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode, next_version,
@@ -20,7 +22,7 @@ class ScriptedEngine(Engine):
     ``abort`` ends a request with the tokens emitted so far; ``pause("abort")`` aborts every request in
     flight and ``pause("in_place"|"retract")`` holds emission until ``resume()``; ``update_weights`` bumps the
     version, which tags every later token; ``cached_tokens`` is the longest common prefix with any earlier
-    request.
+    request's input plus output (at most the prompt length minus one), until ``flush_cache()``.
     """
 
     def __init__(self, script: Script, vocab_size: int = 1000, token_delay_s: float = 0.0,
@@ -30,25 +32,30 @@ class ScriptedEngine(Engine):
         self.version = 0
         self.requests: list[GenerateRequest] = []
         self._aborted: set[str] = set()
-        self._seen: set[int] = set()  # chained hashes of every prefix of every earlier sequence
+        self._seen: list[bytes] = []  # every earlier sequence as big-endian uint32 bytes, sorted
         self._in_flight: set[str] = set()
         self._running = anyio.Event()
         self._running.set()
 
+    @staticmethod
+    def _key(ids: tuple[int, ...]) -> bytes:
+        return np.asarray(ids, dtype=">u4").tobytes()  # byte order == token-sequence order
+
     def _cached(self, ids: tuple[int, ...]) -> int:
-        h, n = 0, 0
-        for token in ids[:-1]:
-            h = hash((h, token))
-            if h not in self._seen:
-                break
-            n += 1
-        return n
+        """The longest common prefix of ``ids`` with any remembered sequence: in lexicographic order the best
+        match is a neighbour of ``ids``'s insertion point, so two comparisons suffice."""
+        key = self._key(ids)
+        at = bisect.bisect_left(self._seen, key)
+        best = 0
+        for other in self._seen[max(at - 1, 0): at + 1]:
+            n = min(len(key), len(other)) // 4
+            a, b = np.frombuffer(key, ">u4", n), np.frombuffer(other, ">u4", n)
+            differ = np.flatnonzero(a != b)
+            best = max(best, int(differ[0]) if differ.size else n)
+        return max(0, min(best, len(ids) - 1))
 
     def _remember(self, ids: tuple[int, ...]) -> None:
-        h = 0
-        for token in ids:
-            h = hash((h, token))
-            self._seen.add(h)
+        bisect.insort(self._seen, self._key(ids))
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         request.sampling.validate()
