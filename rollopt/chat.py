@@ -42,6 +42,18 @@ def with_tools_in_system(messages: Sequence[Message], tools: Sequence[dict]) -> 
     return out  # type: ignore[return-value]
 
 
+def _plain_backend(tokenizer: Any) -> Any:
+    """The ``tokenizers`` backend of a fast tokenizer when calling it directly gives what
+    ``tokenizer.encode(text, add_special_tokens=False)`` gives (no truncation or padding configured, special
+    tokens not split), else None. It skips ~20 µs of Python per call, which the executor pays per observation."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    if bool(getattr(tokenizer, "split_special_tokens", False)) != bool(getattr(backend, "encode_special_tokens", False)):
+        return None
+    return backend
+
+
 class ChatRenderer:
     """Renders prompts and observation deltas for one HF tokenizer with a chat template.
 
@@ -59,6 +71,7 @@ class ChatRenderer:
         self.end_of_turn_token = end_of_turn_token or tokenizer.eos_token
         self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(self.end_of_turn_token))
         self._stand_in_text: str | None = None
+        self._backend = _plain_backend(tokenizer)
         self._ids_containing: dict[str, frozenset[int]] = {}
 
     def _text(self, messages: Sequence[Message], tools: Sequence[dict] | None, generation_prompt: bool) -> str:
@@ -70,6 +83,8 @@ class ChatRenderer:
         )
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -135,7 +135,7 @@ class RolloutExecutor:
         self._graph, self._t0 = RolloutGraph(), self.clock()
         self._target = target_groups
         self._max_context = (await self.engine.info()).max_context
-        self._changed = anyio.Event()
+        self._changed: anyio.Event | None = None  # set on the next state change; made only when a gate waits
         self._view: RolloutView | None = None
         self._prefills: dict[tuple, anyio.Event] = {}
         self._streamed, self._preempted = 0, 0
@@ -197,8 +197,9 @@ class RolloutExecutor:
         """
         old = self._view
         self._view = old.with_entry(changed.view(), self._now()) if old is not None and changed.id in old else None
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
         for tid in self.policy.preempt(self.view()):
             run = next(r for r in self._runs if r.id == tid)
             if run.preempt_requested or run.stage is Stage.DONE:
@@ -212,6 +213,8 @@ class RolloutExecutor:
     async def _wait_until(self, run: TrajectoryRun, gate: Callable[[RolloutView, str], bool]) -> None:
         """Wait until ``gate`` opens for ``run`` (re-checked on every state change) or it is preempted."""
         while not (run.preempt_requested or gate(self.view(), run.id)):
+            if self._changed is None:
+                self._changed = anyio.Event()
             await self._changed.wait()
 
     def _set_stage(self, run: TrajectoryRun, stage: Stage) -> None:
@@ -430,9 +433,12 @@ class RolloutExecutor:
 
         with anyio.CancelScope() as scope:
             run.tool_scopes.append(scope)
-            async with anyio.create_task_group() as tg:
-                for call in calls:
-                    tg.start_soon(one, call)
+            if len(calls) == 1:  # the common case needs no task group
+                await one(calls[0])
+            else:
+                async with anyio.create_task_group() as tg:
+                    for call in calls:
+                        tg.start_soon(one, call)
         run.tool_scopes.clear()
         run.early_tools.clear()
         if scope.cancelled_caught:

@@ -162,6 +162,7 @@ class Trajectory:
     status: Status = Status.RUNNING
     error: ErrorRecord | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    _generated: int = field(default=0, init=False, repr=False, compare=False)  # generated tokens, kept by append
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -177,6 +178,7 @@ class Trajectory:
         self.logprobs = np.zeros(0, np.float64)
         self.versions = np.zeros(0, np.int64)
         self.kinds = np.zeros(0, np.int8)
+        self._generated = 0
         # Re-append run by run so that the per-kind rules are checked exactly as for a growing trajectory.
         if len(kinds):
             boundaries = np.flatnonzero(np.diff(kinds)) + 1
@@ -199,6 +201,8 @@ class Trajectory:
         self.logprobs = np.concatenate([self.logprobs, span.logprobs])
         self.versions = np.concatenate([self.versions, span.versions])
         self.kinds = np.concatenate([self.kinds, np.full(len(span), int(span.kind), np.int8)])
+        if span.kind is TokenKind.GENERATED:
+            self._generated += len(span)
         return start, len(self.token_ids)
 
     def __len__(self) -> int:
@@ -211,7 +215,8 @@ class Trajectory:
 
     @property
     def num_generated(self) -> int:
-        return int(self.loss_mask.sum())
+        """How many tokens are generated (O(1): counted as spans are appended)."""
+        return self._generated
 
     @property
     def prompt_length(self) -> int:

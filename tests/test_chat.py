@@ -40,6 +40,18 @@ def test_incremental_tokens_equal_full_render_over_turns(tokenizer):
         assert later[: len(earlier)] == earlier
 
 
+ENCODE_PROBES = ["", "plain words", "  leading and trailing  ", "tabs\tand\nnewlines\n\n", "<|im_end|>\n<|im_start|>user",
+                 "<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "unicode: é ü 中文 🙂", "<|im_start|><|im_start|>x"]
+
+
+def test_encode_gives_the_tokenizers_own_ids(tokenizer):
+    """The renderer calls the fast backend directly when that is equivalent; it must match transformers."""
+    r = ChatRenderer(tokenizer)
+    assert r._backend is not None  # the fast path is what this test checks
+    for text in ENCODE_PROBES:
+        assert r.encode(text) == list(tokenizer.encode(text, add_special_tokens=False)), text
+
+
 def test_cut_turn_gets_end_of_turn_as_observation(tokenizer):
     r = ChatRenderer(tokenizer)
     delta = r.observation([{"role": "tool", "content": "5"}], last_generated_id=17)

@@ -20,6 +20,14 @@ def test_gguf_converts_to_a_plain_llama(smollm2):
     assert all(t.dtype == torch.float32 for t in smollm2.state_dict.values())
 
 
+def test_renderer_encodes_like_the_tokenizer(smollm2):
+    from test_chat import ENCODE_PROBES
+
+    renderer = ChatRenderer(smollm2.tokenizer)
+    for text in ENCODE_PROBES:
+        assert renderer.encode(text) == list(smollm2.tokenizer.encode(text, add_special_tokens=False)), text
+
+
 async def test_local_engine_matches_hf_and_answers(smollm2):
     hf = LlamaForCausalLM(smollm2.config)
     hf.load_state_dict(smollm2.state_dict, strict=False)

@@ -3,8 +3,10 @@ fixed logprob, after an optional per-token delay. It runs no model; never use it
 
 from __future__ import annotations
 
+import array
 import bisect
-from typing import Any, AsyncIterator, Callable
+import sys
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import anyio
 import numpy as np
@@ -26,9 +28,10 @@ class ScriptedEngine(Engine):
     """
 
     def __init__(self, script: Script, vocab_size: int = 1000, token_delay_s: float = 0.0,
-                 logprob: float = -0.5, eos_token_id: int | None = None) -> None:
+                 logprob: float = -0.5, eos_token_id: int | None = None, count_cached_tokens: bool = True) -> None:
         self.script, self.vocab_size, self.token_delay_s, self.logprob = script, vocab_size, token_delay_s, logprob
         self.eos_token_id = eos_token_id
+        self.count_cached_tokens = count_cached_tokens  # False: every ``cached_tokens`` is 0 (no bookkeeping)
         self.version = 0
         self.requests: list[GenerateRequest] = []
         self._aborted: set[str] = set()
@@ -38,10 +41,13 @@ class ScriptedEngine(Engine):
         self._running.set()
 
     @staticmethod
-    def _key(ids: tuple[int, ...]) -> bytes:
-        return np.asarray(ids, dtype=">u4").tobytes()  # byte order == token-sequence order
+    def _key(ids: Sequence[int]) -> bytes:
+        key = array.array("I", ids)
+        if sys.byteorder == "little":
+            key.byteswap()  # big-endian: byte order == token-sequence order
+        return key.tobytes()
 
-    def _cached(self, ids: tuple[int, ...]) -> int:
+    def _cached(self, ids: Sequence[int]) -> int:
         """The longest common prefix of ``ids`` with any remembered sequence: in lexicographic order the best
         match is a neighbour of ``ids``'s insertion point, so two comparisons suffice."""
         key = self._key(ids)
@@ -54,13 +60,13 @@ class ScriptedEngine(Engine):
             best = max(best, int(differ[0]) if differ.size else n)
         return max(0, min(best, len(ids) - 1))
 
-    def _remember(self, ids: tuple[int, ...]) -> None:
+    def _remember(self, ids: Sequence[int]) -> None:
         bisect.insort(self._seen, self._key(ids))
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         request.sampling.validate()
         self.requests.append(request)
-        cached = self._cached(request.input_ids)
+        cached = self._cached(request.input_ids) if self.count_cached_tokens else 0
         planned = self.script(request)[: request.sampling.max_new_tokens]
         out: list[int] = []
         versions: list[int] = []
@@ -85,7 +91,8 @@ class ScriptedEngine(Engine):
             elif len(out) < request.sampling.max_new_tokens:
                 reason = FinishReason.STOP
         self._in_flight.discard(request.rid)
-        self._remember(tuple(request.input_ids) + tuple(out))
+        if self.count_cached_tokens:
+            self._remember((*request.input_ids, *out))
         result = GenerateResult(request.rid, out, [self.logprob] * len(out), versions, reason,
                                 prompt_tokens=len(request.input_ids), cached_tokens=cached)
         yield GenerateChunk(request.rid, [], [], [], result=result)
