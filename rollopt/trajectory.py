@@ -65,7 +65,8 @@ class TokenSpan:
             raise ValueError("token ids must be non-negative")
         kind = TokenKind(self.kind)
         if kind is TokenKind.GENERATED:
-            if len(lps) and (not np.all(np.isfinite(lps)) or lps.max() > 1e-6):
+            # min is NaN or -inf and max is NaN or +inf exactly when some logprob is not finite
+            if len(lps) and not (np.isfinite(lps.min()) and lps.max() <= 1e-6):
                 raise ValueError("generated tokens need finite sampling logprobs <= 0")
             if len(vers) and vers.min() < 0:
                 raise ValueError("generated tokens need a weight version >= 0")
