@@ -71,6 +71,7 @@ class _Tally:
 
     positions: dict[str, int]  # trajectory id -> index; shared by the views of a batch until one is added
     group_size: dict[str, int]  # in order of first appearance; shared like ``positions``
+    group_order: tuple[str, ...]  # the keys of ``group_size``; shared likewise
     live_turns: dict[int, int]  # turn -> live trajectories in it
     live_not_in_tools: dict[int, int]  # turn -> live trajectories in it not running its tools
     group_done: dict[str, int]  # group -> members done
@@ -78,14 +79,15 @@ class _Tally:
 
     @classmethod
     def of(cls, entries: tuple[TrajectoryView, ...]) -> "_Tally":
-        tally = cls({t.id: i for i, t in enumerate(entries)}, dict(Counter(t.group_id for t in entries)), {}, {}, {}, 0)
+        sizes = dict(Counter(t.group_id for t in entries))
+        tally = cls({t.id: i for i, t in enumerate(entries)}, sizes, tuple(sizes), {}, {}, {}, 0)
         for t in entries:
             tally._count(t, +1)
         return tally
 
     def replaced(self, old: TrajectoryView, new: TrajectoryView) -> "_Tally":
-        tally = _Tally(self.positions, self.group_size, self.live_turns.copy(), self.live_not_in_tools.copy(),
-                       self.group_done.copy(), self.generated_tokens)
+        tally = _Tally(self.positions, self.group_size, self.group_order, self.live_turns.copy(),
+                       self.live_not_in_tools.copy(), self.group_done.copy(), self.generated_tokens)
         tally._count(old, -1)
         tally._count(new, +1)
         return tally
@@ -145,7 +147,7 @@ class RolloutView:
     @property
     def group_order(self) -> tuple[str, ...]:
         """Group ids in order of first appearance."""
-        return tuple(self._tally.group_size)
+        return self._tally.group_order
 
     def groups(self) -> dict[str, list[TrajectoryView]]:
         out: dict[str, list[TrajectoryView]] = {}
@@ -204,9 +206,15 @@ class Policy:
 _RISK_ORDER = [RiskClass.R1, RiskClass.R2, RiskClass.R3]
 
 
+def _overrides(policy: Policy, hook: str) -> bool:
+    """Whether ``policy`` defines ``hook`` itself (a part that keeps the neutral default need not be asked)."""
+    return getattr(type(policy), hook) is not getattr(Policy, hook)
+
+
 class CompositePolicy(Policy):
     """Several policies at once: gates are AND-ed, flags OR-ed, priorities summed, preemptions united; the
-    risk class is the most permissive of the parts."""
+    risk class is the most permissive of the parts. Each hook asks only the parts that define it, since the
+    executor calls the hooks on every state change."""
 
     def __init__(self, parts: list[Policy]) -> None:
         self.parts = parts
@@ -216,20 +224,23 @@ class CompositePolicy(Policy):
         self.shared_prefill = any(p.shared_prefill for p in parts)  # type: ignore[misc]
         self.barrier = any(p.barrier for p in parts)  # type: ignore[misc]
         self.keep_warm_s = max(p.keep_warm_s for p in parts)
+        self._asked = {hook: [p for p in parts if _overrides(p, hook)]
+                       for hook in ("may_generate", "may_run_tools", "priority", "preempt", "sampling")}
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
-        return all(p.may_generate(view, tid) for p in self.parts)
+        return all(p.may_generate(view, tid) for p in self._asked["may_generate"])
 
     def may_run_tools(self, view: RolloutView, tid: str) -> bool:
-        return all(p.may_run_tools(view, tid) for p in self.parts)
+        return all(p.may_run_tools(view, tid) for p in self._asked["may_run_tools"])
 
     def priority(self, view: RolloutView, tid: str) -> int:
-        return sum(p.priority(view, tid) for p in self.parts)
+        return sum(p.priority(view, tid) for p in self._asked["priority"])
 
     def preempt(self, view: RolloutView) -> set[str]:
-        return set().union(*(p.preempt(view) for p in self.parts))
+        asked = self._asked["preempt"]
+        return asked[0].preempt(view) if len(asked) == 1 else set().union(*(p.preempt(view) for p in asked))
 
     def sampling(self, view: RolloutView, tid: str, params):
-        for p in self.parts:
+        for p in self._asked["sampling"]:
             params = p.sampling(view, tid, params)
         return params
