@@ -1,16 +1,23 @@
-"""Scheduler overhead at 256 concurrent trajectories, as a fraction of engine time.
+"""Scheduler overhead at 64 and 256 concurrent trajectories, as a fraction of engine time.
 
-    .venv/bin/python bench/scheduler_overhead.py [--trajectories 256] [--repeats 3]
+    .venv/bin/python bench/scheduler_overhead.py [--trajectories 64,256] [--shapes short,long] [--repeats 3]
 
-The same seeded synthetic workload (instant tools) runs twice per policy and repeat:
+Each configuration (turn shape × trajectories) is one seeded synthetic workload with instant tools. It runs
+twice per policy and repeat, repeats interleaved:
 
-1. on the scripted engine, which emits its tokens at no cost: the wall time is the executor's and policy's
-   own cost (gates, views, graph, token bookkeeping) plus the scripted engine's bookkeeping, an upper bound
-   of the scheduling overhead;
+1. on the scripted engine, which emits its tokens at no cost (one token per chunk, one scheduling point per
+   token, as a streaming engine delivers them; no prefix bookkeeping): the wall time is what the executor and
+   the policy cost (gates, views, graph, token bookkeeping, chat rendering, tool dispatch) plus the scripted
+   engine's own chunk loop, an upper bound of the scheduling overhead;
 2. on the embedded engine with the tiny model: its ``busy_s`` is the engine time of that workload.
 
-overhead = wall(scripted) / busy_s(embedded). Medians and min–max over interleaved repeats; writes
-``bench/results/scheduler_overhead.json`` and ``.png``.
+overhead = wall(scripted) / busy_s(embedded); medians and min–max of the per-repeat ratios. The overhead has
+a cost per turn (render the observation, append and check the spans, move the trajectory through its
+stages, run the tool call) and a smaller cost per streamed token, so it is reported per turn as well, and
+the same turns are run short (8–24 tokens, like ``tool-heavy``) and long (64–192 tokens, a tool call with
+some reasoning). The startup heap is frozen first, as the CLI does (a full collection would rescan it), and
+the previous run's garbage is collected before each timed run.
+Writes ``scheduler_overhead.json`` and ``.png`` under ``--out`` (default ``bench/results``).
 """
 
 from __future__ import annotations
@@ -36,23 +43,27 @@ from rollopt.environments import SyntheticEnv  # noqa: E402
 from rollopt.modeling import load_model  # noqa: E402
 
 POLICIES = ("sync", "overlap", "overlap+prefix+preempt")
+SHAPES = {"short": (8, 24), "long": (64, 192)}  # generated tokens per turn, (min, max)
 
 
-def workload(n: int):
-    env = SyntheticEnv(turns=(2, 4), tokens_per_turn=(8, 24), tools_per_turn=1, tool_latency_s=0.0, tool_sigma=0.0)
+def workload(n: int, tokens_per_turn: tuple[int, int] = SHAPES["short"]):
+    env = SyntheticEnv(turns=(2, 4), tokens_per_turn=tokens_per_turn, tools_per_turn=1, tool_latency_s=0.0,
+                       tool_sigma=0.0)
     return env, episode_specs(env.tasks(n // 4, 0), 4, SamplingParams(temperature=1.0), seed=0)
 
 
-async def scripted_wall(env, specs, renderer, policy: str, vocab: int) -> float:
+async def scripted_wall(env, specs, renderer, policy: str, vocab: int) -> tuple[float, int, int]:
+    """Wall seconds of the batch on the scripted engine, and its turns and generated tokens."""
     engine = ScriptedEngine(lambda req: [5 + (i % 50) for i in range(req.sampling.max_new_tokens)], vocab_size=vocab,
                             count_cached_tokens=False)  # the engine's own bookkeeping is not the scheduler's
     started = time.perf_counter()
-    await RolloutExecutor(env, engine, renderer, policy).run(specs)
-    return time.perf_counter() - started
+    result = await RolloutExecutor(env, engine, renderer, policy).run(specs)
+    wall = time.perf_counter() - started
+    return wall, sum(len(t.turns) for t in result.trajectories), sum(t.num_generated for t in result.trajectories)
 
 
 async def engine_busy(env, specs, renderer, policy: str, model) -> float:
-    engine = LocalEngine(model.config, model.state_dict, LocalEngineConfig(max_running=256, max_context=1024,
+    engine = LocalEngine(model.config, model.state_dict, LocalEngineConfig(max_running=256, max_context=2048,
                                                                            prefix_cache_tokens=65536, threads=1))
     async with engine:
         await RolloutExecutor(env, engine, renderer, policy).run(specs)
@@ -61,44 +72,68 @@ async def engine_busy(env, specs, renderer, policy: str, model) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trajectories", type=int, default=256)
+    parser.add_argument("--trajectories", default="64,256", help="comma-separated concurrency levels")
+    parser.add_argument("--shapes", default="short,long", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     model = load_model("tiny")
     renderer = ChatRenderer(model.tokenizer)
-    env, specs = workload(args.trajectories)
+    configs = [(shape, int(n)) for shape in args.shapes.split(",") for n in args.trajectories.split(",")]
+    loads = {c: workload(c[1], SHAPES[c[0]]) for c in configs}
+    gc.collect()
     gc.freeze()  # the startup heap (torch, transformers, the model) is not rescanned by every full collection
-    raw: dict[str, dict[str, list[float]]] = {p: {"scripted_wall_s": [], "engine_busy_s": []} for p in POLICIES}
+    raw = {(c, p): {"scripted_wall_s": [], "engine_busy_s": []} for c in configs for p in POLICIES}
     for rep in range(args.repeats):
-        for policy in POLICIES:
-            raw[policy]["scripted_wall_s"].append(anyio.run(scripted_wall, env, specs, renderer, policy, len(model.tokenizer)))
-            raw[policy]["engine_busy_s"].append(anyio.run(engine_busy, env, specs, renderer, policy, model))
-            print(f"repeat {rep + 1} {policy}: scripted {raw[policy]['scripted_wall_s'][-1]:.2f} s, "
-                  f"engine busy {raw[policy]['engine_busy_s'][-1]:.2f} s", flush=True)
-    results = {}
-    for policy, r in raw.items():
+        for c in configs:
+            env, specs = loads[c]
+            for policy in POLICIES:
+                r = raw[(c, policy)]
+                gc.collect()  # the previous run's garbage is not this run's cost
+                wall, r["turns"], r["tokens"] = anyio.run(scripted_wall, env, specs, renderer, policy,
+                                                          len(model.tokenizer))
+                r["scripted_wall_s"].append(wall)
+                gc.collect()
+                r["engine_busy_s"].append(anyio.run(engine_busy, env, specs, renderer, policy, model))
+                print(f"repeat {rep + 1} {c[0]} × {c[1]} {policy}: scripted {wall:.3f} s, "
+                      f"engine busy {r['engine_busy_s'][-1]:.2f} s", flush=True)
+    rows = []
+    for (c, policy), r in raw.items():
         ratios = [a / b for a, b in zip(r["scripted_wall_s"], r["engine_busy_s"])]
-        results[policy] = {**r, "overhead_frac": statistics.median(ratios), "overhead_min": min(ratios),
-                           "overhead_max": max(ratios)}
+        rows.append({"shape": c[0], "tokens_per_turn": SHAPES[c[0]], "trajectories": c[1], "scheduler": policy,
+                     **r, "overhead_frac": statistics.median(ratios), "overhead_min": min(ratios),
+                     "overhead_max": max(ratios),
+                     "scheduler_us_per_turn": statistics.median(r["scripted_wall_s"]) / r["turns"] * 1e6,
+                     "engine_us_per_turn": statistics.median(r["engine_busy_s"]) / r["turns"] * 1e6})
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "scheduler_overhead", "trajectories": args.trajectories, "repeats": args.repeats,
-              "machine": {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}, "results": results}
+    report = {"benchmark": "scheduler_overhead", "repeats": args.repeats, "model": "tiny-llama",
+              "machine": {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}, "results": rows}
     (args.out / "scheduler_overhead.json").write_text(json.dumps(report, indent=2))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    meds = [results[p]["overhead_frac"] * 100 for p in POLICIES]
-    err = [[m - results[p]["overhead_min"] * 100 for m, p in zip(meds, POLICIES)],
-           [results[p]["overhead_max"] * 100 - m for m, p in zip(meds, POLICIES)]]
-    ax.bar(POLICIES, meds, yerr=err, capsize=4, color="#4477aa")
+    plot(rows, configs, args.out / "scheduler_overhead.png")
+    for row in rows:
+        print(f"{row['shape']:>5} × {row['trajectories']:>3} {row['scheduler']:>22}: overhead "
+              f"{row['overhead_frac']:.1%} [{row['overhead_min']:.1%}-{row['overhead_max']:.1%}] of engine time; "
+              f"{row['scheduler_us_per_turn']:.0f} µs per turn against {row['engine_us_per_turn']:.0f} µs of engine")
+
+
+def plot(rows: list[dict], configs: list[tuple[str, int]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.8 / len(POLICIES)
+    for k, policy in enumerate(POLICIES):
+        mine = [next(r for r in rows if (r["shape"], r["trajectories"]) == c and r["scheduler"] == policy)
+                for c in configs]
+        meds = [r["overhead_frac"] * 100 for r in mine]
+        err = [[m - r["overhead_min"] * 100 for m, r in zip(meds, mine)],
+               [r["overhead_max"] * 100 - m for m, r in zip(meds, mine)]]
+        ax.bar([i + (k - 1) * width for i in range(len(configs))], meds, width, yerr=err, capsize=3, label=policy)
     ax.axhline(5, color="red", ls="--", lw=0.8, label="5% target")
+    ax.set_xticks(range(len(configs)),
+                  [f"{s} turns ({SHAPES[s][0]}-{SHAPES[s][1]} tok)\n{n} trajectories" for s, n in configs])
     ax.set_ylabel("scheduler overhead, % of engine time")
-    ax.set_title(f"{args.trajectories} concurrent trajectories")
-    ax.legend()
+    ax.set_title("executor + policy on the scripted engine ÷ tiny-model engine time")
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.out / "scheduler_overhead.png", dpi=110)
-    for p in POLICIES:
-        print(f"{p}: overhead {results[p]['overhead_frac']:.1%} "
-              f"[{results[p]['overhead_min']:.1%}-{results[p]['overhead_max']:.1%}] of engine time")
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ class RolloutExecutor:
         self._max_context = (await self.engine.info()).max_context
         self._changed: anyio.Event | None = None  # set on the next state change; made only when a gate waits
         self._view: RolloutView | None = None
-        self._prefills: dict[tuple, anyio.Event] = {}
+        self._prefills: dict[tuple, anyio.Event | None] = {}  # shared prefix -> its prefill (None: not shared)
         self._streamed, self._preempted = 0, 0
         carried, self.carry_over = self.carry_over, []
         for run in carried:
@@ -260,13 +260,16 @@ class RolloutExecutor:
     async def _shared_prefill(self, run: TrajectoryRun) -> None:
         """``shared_prefill`` policies: the first member of a group (or fork) to reach its first turn prefills
         the shared prefix once; the others wait for it, then find it in the prefix cache."""
+        if not self.policy.shared_prefill or run.turn_start is not None:
+            return
         key = self._prefix_key(run)
-        if not self.policy.shared_prefill or run.turn_start is not None or key is None:
+        if key is None:
             return
-        if sum(self._prefix_key(r) == key for r in self._runs) < 2:
-            return
+        if key not in self._prefills and sum(self._prefix_key(r) == key for r in self._runs) < 2:
+            self._prefills[key] = None  # counted once per prefix, not once per trajectory
         if key in self._prefills:
-            await self._prefills[key].wait()
+            if (pending := self._prefills[key]) is not None:
+                await pending.wait()
             return
         done = self._prefills[key] = anyio.Event()
         node = self._graph.add("prefill", run.id, after=run.last_node, start=self._now(), tokens=len(run.traj))
