@@ -11,7 +11,9 @@ twice per policy and repeat, repeats interleaved:
    engine's own chunk loop, an upper bound of the scheduling overhead;
 2. on the embedded engine with the tiny model: its ``busy_s`` is the engine time of that workload.
 
-overhead = wall(scripted) / busy_s(embedded); medians and min–max of the per-repeat ratios. The overhead has
+overhead = wall(scripted) / busy_s(embedded); medians and min–max of the per-repeat ratios. For context it
+also reports how much of the embedded run's wall time its engine sat idle (tools are instant, so idle time is
+the executor's: its work runs on the event loop while a forward pass runs in the engine's worker thread). The overhead has
 a cost per turn (render the observation, append and check the spans, move the trajectory through its
 stages, run the tool call) and a smaller cost per streamed token, so it is reported per turn as well, and
 the same turns are run short (8–24 tokens, like ``tool-heavy``) and long (64–192 tokens, a tool call with
@@ -62,12 +64,15 @@ async def scripted_wall(env, specs, renderer, policy: str, vocab: int) -> tuple[
     return wall, sum(len(t.turns) for t in result.trajectories), sum(t.num_generated for t in result.trajectories)
 
 
-async def engine_busy(env, specs, renderer, policy: str, model) -> float:
+async def engine_busy(env, specs, renderer, policy: str, model) -> tuple[float, float]:
+    """The embedded engine's busy seconds for the batch, and the batch's wall seconds."""
     engine = LocalEngine(model.config, model.state_dict, LocalEngineConfig(max_running=256, max_context=2048,
                                                                            prefix_cache_tokens=65536, threads=1))
     async with engine:
+        started = time.perf_counter()
         await RolloutExecutor(env, engine, renderer, policy).run(specs)
-    return engine.stats.busy_s
+        wall = time.perf_counter() - started
+    return engine.stats.busy_s, wall
 
 
 def main() -> None:
@@ -83,7 +88,7 @@ def main() -> None:
     loads = {c: workload(c[1], SHAPES[c[0]]) for c in configs}
     gc.collect()
     gc.freeze()  # the startup heap (torch, transformers, the model) is not rescanned by every full collection
-    raw = {(c, p): {"scripted_wall_s": [], "engine_busy_s": []} for c in configs for p in POLICIES}
+    raw = {(c, p): {"scripted_wall_s": [], "engine_busy_s": [], "engine_wall_s": []} for c in configs for p in POLICIES}
     for rep in range(args.repeats):
         for c in configs:
             env, specs = loads[c]
@@ -94,7 +99,9 @@ def main() -> None:
                                                           len(model.tokenizer))
                 r["scripted_wall_s"].append(wall)
                 gc.collect()
-                r["engine_busy_s"].append(anyio.run(engine_busy, env, specs, renderer, policy, model))
+                busy, engine_wall = anyio.run(engine_busy, env, specs, renderer, policy, model)
+                r["engine_busy_s"].append(busy)
+                r["engine_wall_s"].append(engine_wall)
                 print(f"repeat {rep + 1} {c[0]} × {c[1]} {policy}: scripted {wall:.3f} s, "
                       f"engine busy {r['engine_busy_s'][-1]:.2f} s", flush=True)
     rows = []
@@ -104,6 +111,8 @@ def main() -> None:
                      **r, "overhead_frac": statistics.median(ratios), "overhead_min": min(ratios),
                      "overhead_max": max(ratios),
                      "scheduler_us_per_turn": statistics.median(r["scripted_wall_s"]) / r["turns"] * 1e6,
+                     "engine_idle_frac": statistics.median(1 - b / w for b, w in zip(r["engine_busy_s"],
+                                                                                     r["engine_wall_s"])),
                      "engine_us_per_turn": statistics.median(r["engine_busy_s"]) / r["turns"] * 1e6})
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "scheduler_overhead", "repeats": args.repeats, "model": "tiny-llama",
@@ -113,7 +122,8 @@ def main() -> None:
     for row in rows:
         print(f"{row['shape']:>5} × {row['trajectories']:>3} {row['scheduler']:>22}: overhead "
               f"{row['overhead_frac']:.1%} [{row['overhead_min']:.1%}-{row['overhead_max']:.1%}] of engine time; "
-              f"{row['scheduler_us_per_turn']:.0f} µs per turn against {row['engine_us_per_turn']:.0f} µs of engine")
+              f"{row['scheduler_us_per_turn']:.0f} µs per turn against {row['engine_us_per_turn']:.0f} µs of engine; "
+              f"embedded run: engine idle {row['engine_idle_frac']:.1%} of its wall time")
 
 
 def plot(rows: list[dict], configs: list[tuple[str, int]], path: Path) -> None:
