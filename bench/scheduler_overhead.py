@@ -11,7 +11,9 @@ twice per policy and repeat, repeats interleaved:
    engine's own chunk loop, an upper bound of the scheduling overhead;
 2. on the embedded engine with the tiny model: its ``busy_s`` is the engine time of that workload.
 
-overhead = wall(scripted) / busy_s(embedded); medians and min–max of the per-repeat ratios. For context it
+overhead = wall(scripted) / busy_s(embedded); medians and min–max of the per-repeat ratios. Rendering the
+chat (prompts and observation deltas through the chat template and the tokenizer) is timed on its own and
+also reported left out, since any rollout loop pays it. For context it
 also reports how much of the embedded run's wall time its engine sat idle (tools are instant, so idle time is
 the executor's: its work runs on the event loop while a forward pass runs in the engine's worker thread). The overhead has
 a cost per turn (render the observation, append and check the spans, move the trajectory through its
@@ -48,20 +50,45 @@ POLICIES = ("sync", "overlap", "overlap+prefix+preempt")
 SHAPES = {"short": (8, 24), "long": (64, 192)}  # generated tokens per turn, (min, max)
 
 
+class TimedRenderer(ChatRenderer):
+    """A :class:`ChatRenderer` that adds up the seconds spent rendering prompts and observations (the chat
+    template and the tokenizer: work any rollout loop does, whatever its scheduler)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.seconds = 0.0
+
+    def prompt(self, messages, tools=None):
+        started = time.perf_counter()
+        try:
+            return super().prompt(messages, tools)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def observation(self, messages, last_generated_id):
+        started = time.perf_counter()
+        try:
+            return super().observation(messages, last_generated_id)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 def workload(n: int, tokens_per_turn: tuple[int, int] = SHAPES["short"]):
     env = SyntheticEnv(turns=(2, 4), tokens_per_turn=tokens_per_turn, tools_per_turn=1, tool_latency_s=0.0,
                        tool_sigma=0.0)
     return env, episode_specs(env.tasks(n // 4, 0), 4, SamplingParams(temperature=1.0), seed=0)
 
 
-async def scripted_wall(env, specs, renderer, policy: str, vocab: int) -> tuple[float, int, int]:
-    """Wall seconds of the batch on the scripted engine, and its turns and generated tokens."""
+async def scripted_wall(env, specs, renderer: TimedRenderer, policy: str, vocab: int) -> tuple[float, float, int, int]:
+    """Wall seconds of the batch on the scripted engine, the part of them spent rendering chat, and the batch's
+    turns and generated tokens."""
     engine = ScriptedEngine(lambda req: [5 + (i % 50) for i in range(req.sampling.max_new_tokens)], vocab_size=vocab,
                             count_cached_tokens=False)  # the engine's own bookkeeping is not the scheduler's
-    started = time.perf_counter()
+    rendering_before, started = renderer.seconds, time.perf_counter()
     result = await RolloutExecutor(env, engine, renderer, policy).run(specs)
     wall = time.perf_counter() - started
-    return wall, sum(len(t.turns) for t in result.trajectories), sum(t.num_generated for t in result.trajectories)
+    return (wall, renderer.seconds - rendering_before, sum(len(t.turns) for t in result.trajectories),
+            sum(t.num_generated for t in result.trajectories))
 
 
 async def engine_busy(env, specs, renderer, policy: str, model) -> tuple[float, float]:
@@ -83,21 +110,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     model = load_model("tiny")
-    renderer = ChatRenderer(model.tokenizer)
+    renderer = TimedRenderer(model.tokenizer)
     configs = [(shape, int(n)) for shape in args.shapes.split(",") for n in args.trajectories.split(",")]
     loads = {c: workload(c[1], SHAPES[c[0]]) for c in configs}
     gc.collect()
     gc.freeze()  # the startup heap (torch, transformers, the model) is not rescanned by every full collection
-    raw = {(c, p): {"scripted_wall_s": [], "engine_busy_s": [], "engine_wall_s": []} for c in configs for p in POLICIES}
+    raw = {(c, p): {"scripted_wall_s": [], "rendering_s": [], "engine_busy_s": [], "engine_wall_s": []}
+           for c in configs for p in POLICIES}
     for rep in range(args.repeats):
         for c in configs:
             env, specs = loads[c]
             for policy in POLICIES:
                 r = raw[(c, policy)]
                 gc.collect()  # the previous run's garbage is not this run's cost
-                wall, r["turns"], r["tokens"] = anyio.run(scripted_wall, env, specs, renderer, policy,
-                                                          len(model.tokenizer))
+                wall, rendering, r["turns"], r["tokens"] = anyio.run(scripted_wall, env, specs, renderer, policy,
+                                                                     len(model.tokenizer))
                 r["scripted_wall_s"].append(wall)
+                r["rendering_s"].append(rendering)
                 gc.collect()
                 busy, engine_wall = anyio.run(engine_busy, env, specs, renderer, policy, model)
                 r["engine_busy_s"].append(busy)
@@ -107,9 +136,10 @@ def main() -> None:
     rows = []
     for (c, policy), r in raw.items():
         ratios = [a / b for a, b in zip(r["scripted_wall_s"], r["engine_busy_s"])]
+        without_rendering = [(a - x) / b for a, x, b in zip(r["scripted_wall_s"], r["rendering_s"], r["engine_busy_s"])]
         rows.append({"shape": c[0], "tokens_per_turn": SHAPES[c[0]], "trajectories": c[1], "scheduler": policy,
                      **r, "overhead_frac": statistics.median(ratios), "overhead_min": min(ratios),
-                     "overhead_max": max(ratios),
+                     "overhead_max": max(ratios), "overhead_without_rendering_frac": statistics.median(without_rendering),
                      "scheduler_us_per_turn": statistics.median(r["scripted_wall_s"]) / r["turns"] * 1e6,
                      "engine_idle_frac": statistics.median(1 - b / w for b, w in zip(r["engine_busy_s"],
                                                                                      r["engine_wall_s"])),
@@ -121,7 +151,8 @@ def main() -> None:
     plot(rows, configs, args.out / "scheduler_overhead.png")
     for row in rows:
         print(f"{row['shape']:>5} × {row['trajectories']:>3} {row['scheduler']:>22}: overhead "
-              f"{row['overhead_frac']:.1%} [{row['overhead_min']:.1%}-{row['overhead_max']:.1%}] of engine time; "
+              f"{row['overhead_frac']:.1%} [{row['overhead_min']:.1%}-{row['overhead_max']:.1%}] of engine time "
+              f"({row['overhead_without_rendering_frac']:.1%} without chat rendering); "
               f"{row['scheduler_us_per_turn']:.0f} µs per turn against {row['engine_us_per_turn']:.0f} µs of engine; "
               f"embedded run: engine idle {row['engine_idle_frac']:.1%} of its wall time")
 
