@@ -4,7 +4,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from rollopt.cli import main
+from rollopt.cli import _frozen_startup_heap, main
 from rollopt.storage import load_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +23,15 @@ def test_rollout_command_runs_and_writes_trajectories(tmp_path, capsys):
     assert "rollout summary" in printed and "calc-0-0.s1" in printed
     trajs = load_trajectories(tmp_path / "roll")
     assert len(trajs) == 4 and all(t.num_generated > 0 for t in trajs)
+
+
+def test_commands_hide_the_startup_heap_from_the_collector_only_while_they_run():
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    with _frozen_startup_heap():
+        assert gc.get_freeze_count() > 1000  # the imported libraries: full collections skip them
+    assert gc.get_freeze_count() == 0  # an in-process caller gets its normal collector back
 
 
 def test_wheel_installs_the_mapped_packages(tmp_path):
