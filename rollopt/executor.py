@@ -301,6 +301,8 @@ class RolloutExecutor:
             run.turn_start, run.segments = len(traj), 0
         run.suspended = False
         parser = ToolCallStream(id_prefix=f"{run.id}.t{run.turn}.c") if self.policy.early_tool_start else None
+        # the engine may hold back every token but the first and, when tools start early, those that may
+        # close a tool call: the trajectory's task then wakes a few times per turn, not once per token
         closers = self.renderer.ids_containing(CLOSE_TAG[-1]) if parser is not None else frozenset()
         fed = 0
         already = len(traj) - run.turn_start
@@ -312,7 +314,7 @@ class RolloutExecutor:
             request = GenerateRequest(f"{traj.id}.t{run.turn}.r{run.segments}", tuple(traj.token_ids.tolist()),
                                       replace(sampling, max_new_tokens=room, seed=seed),
                                       priority=self.policy.priority(self.view(), run.id), affinity=traj.group_id,
-                                      keep_warm_s=self.policy.keep_warm_s)
+                                      keep_warm_s=self.policy.keep_warm_s, stream_tokens=closers)
             run.segments += 1
             run.rid = request.rid
             node = self._graph.add("generate", run.id, after=run.last_node, start=self._now(), turn=run.turn,

@@ -1,5 +1,7 @@
 """The per-trajectory loop on a scripted engine (scheduling logic only) and on the embedded engine."""
 
+from dataclasses import replace
+
 import numpy as np
 
 from rollopt import (
@@ -73,7 +75,7 @@ class FailingEngine(ScriptedEngine):
                 yield chunk
             return
         out = []
-        async for chunk in super().stream(request):
+        async for chunk in super().stream(replace(request, stream_tokens=None)):  # one token per chunk
             if len(out) == 2:
                 partial = GenerateResult(request.rid, out + chunk.token_ids, [-0.5] * 3, [0] * 3,
                                          FinishReason.ABORT, len(request.input_ids), 0)

@@ -383,3 +383,24 @@ def test_sampling_draws_from_the_filtered_distribution_it_reports():
     assert all(abs(lp - float(probs[t].log())) < 1e-6 for t, lp in draws[:50])  # the logprob of that distribution
     expected = probs[kept].double() / probs[kept].double().sum() * counts.sum()
     assert chisquare(counts[kept].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+async def test_stream_tokens_hold_back_all_but_the_first_and_the_watched_tokens(peaked_model):
+    """A request that names its ``stream_tokens`` gets fewer chunks and exactly the same tokens."""
+    ids = prompt(16, seed=7)
+
+    async def chunks(watched):
+        async with engine(peaked_model) as eng:
+            return [c async for c in eng.stream(GenerateRequest("s", ids, GREEDY, stream_tokens=watched))]
+
+    every = await chunks(None)
+    tokens = [t for c in every for t in c.token_ids]
+    assert len(tokens) == 24 and len(every) > 20  # a chunk per engine step
+    quiet = await chunks(frozenset())
+    assert len(quiet) == 2 and quiet[1].result is not None  # the first token(s) at once, the rest with the result
+    assert [t for c in quiet for t in c.token_ids] == tokens and quiet[1].result == every[-1].result
+    watched = tokens[9]
+    split = await chunks(frozenset({watched}))
+    assert [t for c in split for t in c.token_ids] == tokens and split[-1].result == every[-1].result
+    later = [i for i, t in enumerate(tokens) if t == watched and i >= len(split[0].token_ids)]
+    assert [c.token_ids[-1] for c in split[1:-1]] == [watched] * len(later)  # each watched token is sent at once

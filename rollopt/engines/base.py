@@ -22,7 +22,7 @@ import abc
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal, Sequence
 
 from rollopt.errors import BadRequestError, EngineError
 
@@ -93,7 +93,16 @@ class GenerateRequest:
     many seconds, or until a request that continues the sequence reuses it, so a trajectory whose tools run
     between two turns finds its history warm instead of losing it to LRU eviction. A hint: the embedded engine
     pins the blocks (``PrefixCache.pin``); the SGLang client does not send it (0.5.23's equivalent is a
-    streaming session, ``/open_session`` with ``streaming`` and ``timeout``, not used yet)."""
+    streaming session, ``/open_session`` with ``streaming`` and ``timeout``, not used yet).
+
+    ``stream_tokens``: which generated tokens the caller needs to see as soon as they are sampled. None (the
+    default) streams every token. A set lets the engine hold tokens back: it sends the first token at once,
+    then only a chunk that holds one of these ids, and the last chunk; held tokens ride with the next chunk
+    sent. The tokens, their logprobs and versions, and the result are the same either way (an
+    :class:`EngineFailure`'s ``partial`` holds the whole output, sent or not). A hint (see
+    :func:`may_hold_back`): the embedded and scripted engines follow it; the SGLang client streams every
+    token. The executor passes the ids that can close a tool call when it starts tools early, else an empty
+    set, so a trajectory's task wakes twice per turn instead of once per token."""
 
     rid: str
     input_ids: tuple[int, ...]
@@ -101,6 +110,15 @@ class GenerateRequest:
     priority: int = 0
     affinity: str | None = None
     keep_warm_s: float = 0.0
+    stream_tokens: frozenset[int] | None = None
+
+
+def may_hold_back(request: GenerateRequest, sent: int, new_ids: Sequence[int]) -> bool:
+    """Whether an engine may keep ``new_ids`` (sampled since its last chunk; the request is not finished) for a
+    later chunk: only when the request names its ``stream_tokens``, its first token has been sent (``sent``
+    tokens were), and none of ``new_ids`` is one of them."""
+    watched = request.stream_tokens
+    return watched is not None and sent > 0 and watched.isdisjoint(new_ids)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from rollopt.engines.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    may_hold_back,
     next_version,
 )
 from rollopt.engines.prefix_cache import PrefixCache
@@ -542,14 +543,18 @@ class LocalEngine(Engine):
             self.stats.requests_aborted += 1
 
     def _flush_stream(self, r: _Request, result: GenerateResult | None = None) -> None:
-        if r.sent < len(r.output_ids) or result is not None:
-            chunk = GenerateChunk(rid=r.req.rid, token_ids=r.output_ids[r.sent:], logprobs=r.logprobs[r.sent:],
-                                  versions=r.versions[r.sent:], result=result)
-            r.sent = len(r.output_ids)
-            try:
-                r.send.send_nowait(chunk)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass  # the consumer went away; its abort command is queued
+        """Send what ``r`` sampled since its last chunk (with ``result`` on the last one), unless the request
+        lets the engine hold it back (``GenerateRequest.stream_tokens``)."""
+        unsent = r.output_ids[r.sent:]
+        if result is None and (not unsent or may_hold_back(r.req, r.sent, unsent)):
+            return
+        chunk = GenerateChunk(rid=r.req.rid, token_ids=unsent, logprobs=r.logprobs[r.sent:],
+                              versions=r.versions[r.sent:], result=result)
+        r.sent = len(r.output_ids)
+        try:
+            r.send.send_nowait(chunk)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the consumer went away; its abort command is queued
 
     def _flush_streams(self) -> None:
         for r in list(self._live.values()):

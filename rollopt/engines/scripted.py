@@ -12,14 +12,16 @@ import anyio
 import numpy as np
 
 from rollopt.engines.base import (
-    Engine, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode, next_version,
+    Engine, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode, may_hold_back,
+    next_version,
 )
 
 Script = Callable[[GenerateRequest], list[int]]
 
 
 class ScriptedEngine(Engine):
-    """Emits ``script(request)`` (cut at ``max_new_tokens``), one token per ``token_delay_s``.
+    """Emits ``script(request)`` (cut at ``max_new_tokens``), one token per ``token_delay_s``, one chunk per token
+    (or fewer when the request names its ``stream_tokens``).
 
     ``abort`` ends a request with the tokens emitted so far; ``pause("abort")`` aborts every request in
     flight and ``pause("in_place"|"retract")`` holds emission until ``resume()``; ``update_weights`` bumps the
@@ -72,8 +74,10 @@ class ScriptedEngine(Engine):
         versions: list[int] = []
         reason = FinishReason.LENGTH
         self._in_flight.add(request.rid)
+        sent = 0
         for token in planned:
-            await self._running.wait()
+            if sent == len(out) or not self._running.is_set():  # a scheduling point per chunk; a pause holds
+                await self._running.wait()
             if request.rid in self._aborted:
                 reason = FinishReason.ABORT
                 break
@@ -81,7 +85,9 @@ class ScriptedEngine(Engine):
                 await anyio.sleep(self.token_delay_s)
             out.append(token)
             versions.append(self.version)
-            yield GenerateChunk(request.rid, [token], [self.logprob], [self.version])
+            if not may_hold_back(request, sent, (token,)):  # the tokens held before it were checked already
+                yield GenerateChunk(request.rid, out[sent:], [self.logprob] * (len(out) - sent), versions[sent:])
+                sent = len(out)
             if token == self.eos_token_id and not request.sampling.ignore_eos:
                 reason = FinishReason.STOP
                 break
@@ -95,7 +101,7 @@ class ScriptedEngine(Engine):
             self._remember((*request.input_ids, *out))
         result = GenerateResult(request.rid, out, [self.logprob] * len(out), versions, reason,
                                 prompt_tokens=len(request.input_ids), cached_tokens=cached)
-        yield GenerateChunk(request.rid, [], [], [], result=result)
+        yield GenerateChunk(request.rid, out[sent:], [self.logprob] * (len(out) - sent), versions[sent:], result=result)
 
     async def abort(self, rid: str) -> None:
         self._aborted.add(rid)
