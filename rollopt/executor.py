@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -138,6 +139,7 @@ class RolloutExecutor:
         self._changed: anyio.Event | None = None  # set on the next state change; made only when a gate waits
         self._view: RolloutView | None = None
         self._prefills: dict[tuple, anyio.Event | None] = {}  # shared prefix -> its prefill (None: not shared)
+        self._sharers: Counter[tuple | None] | None = None  # trajectories per prefix key; None: count again
         self._streamed, self._preempted = 0, 0
         carried, self.carry_over = self.carry_over, []
         for run in carried:
@@ -265,8 +267,10 @@ class RolloutExecutor:
         key = self._prefix_key(run)
         if key is None:
             return
-        if key not in self._prefills and sum(self._prefix_key(r) == key for r in self._runs) < 2:
-            self._prefills[key] = None  # counted once per prefix, not once per trajectory
+        if self._sharers is None:  # one pass over the batch, again only after a fork added trajectories
+            self._sharers = Counter(self._prefix_key(r) for r in self._runs)
+        if key not in self._prefills and self._sharers[key] < 2:
+            self._prefills[key] = None
         if key in self._prefills:
             if (pending := self._prefills[key]) is not None:
                 await pending.wait()
@@ -492,7 +496,7 @@ class RolloutExecutor:
     def _fork(self, run: TrajectoryRun) -> None:
         """Branch after this turn: the trajectory continues as branch 0; clones 1..m-1 share its tokens."""
         run.traj.metadata["fork_point"] = (run.id, run.turn)
-        self._view = None  # the snapshot gains the children
+        self._view = self._sharers = None  # the snapshot and the prefix counts gain the children
         children = []
         for j in range(1, run.spec.fork_branches):
             traj = copy.deepcopy(run.traj)
