@@ -32,7 +32,9 @@ import json
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import anyio
 import matplotlib
@@ -58,19 +60,21 @@ class TimedRenderer(ChatRenderer):
         super().__init__(tokenizer)
         self.seconds = 0.0
 
-    def prompt(self, messages, tools=None):
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
         started = time.perf_counter()
         try:
-            return super().prompt(messages, tools)
+            yield
         finally:
             self.seconds += time.perf_counter() - started
 
+    def prompt(self, messages, tools=None):
+        with self._timed():
+            return super().prompt(messages, tools)
+
     def observation(self, messages, last_generated_id):
-        started = time.perf_counter()
-        try:
+        with self._timed():
             return super().observation(messages, last_generated_id)
-        finally:
-            self.seconds += time.perf_counter() - started
 
 
 def workload(n: int, tokens_per_turn: tuple[int, int] = SHAPES["short"]):

@@ -267,13 +267,14 @@ class RolloutExecutor:
         key = self._prefix_key(run)
         if key is None:
             return
-        if self._sharers is None:  # one pass over the batch, again only after a fork added trajectories
-            self._sharers = Counter(self._prefix_key(r) for r in self._runs)
-        if key not in self._prefills and self._sharers[key] < 2:
-            self._prefills[key] = None
         if key in self._prefills:
             if (pending := self._prefills[key]) is not None:
                 await pending.wait()
+            return
+        if self._sharers is None:  # one pass over the batch, again only after a fork added trajectories
+            self._sharers = Counter(self._prefix_key(r) for r in self._runs)
+        if self._sharers[key] < 2:
+            self._prefills[key] = None
             return
         done = self._prefills[key] = anyio.Event()
         node = self._graph.add("prefill", run.id, after=run.last_node, start=self._now(), tokens=len(run.traj))

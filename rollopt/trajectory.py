@@ -65,7 +65,7 @@ class TokenSpan:
             raise ValueError("token ids must be non-negative")
         kind = TokenKind(self.kind)
         if kind is TokenKind.GENERATED:
-            # min is NaN or -inf and max is NaN or +inf exactly when some logprob is not finite
+            # a NaN makes min NaN, a -inf makes it -inf, a +inf fails the bound on max
             if len(lps) and not (np.isfinite(lps.min()) and lps.max() <= 1e-6):
                 raise ValueError("generated tokens need finite sampling logprobs <= 0")
             if len(vers) and vers.min() < 0:

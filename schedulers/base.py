@@ -149,12 +149,6 @@ class RolloutView:
         """Group ids in order of first appearance."""
         return self._tally.group_order
 
-    def groups(self) -> dict[str, list[TrajectoryView]]:
-        out: dict[str, list[TrajectoryView]] = {}
-        for t in self.trajectories:
-            out.setdefault(t.group_id, []).append(t)
-        return out
-
     @property
     def min_live_turn(self) -> int | None:
         """The earliest turn any live trajectory is in (None when none is live)."""

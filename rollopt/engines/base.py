@@ -102,7 +102,7 @@ class GenerateRequest:
     :class:`EngineFailure`'s ``partial`` holds the whole output, sent or not). A hint (see
     :func:`may_hold_back`): the embedded and scripted engines follow it; the SGLang client streams every
     token. The executor passes the ids that can close a tool call when it starts tools early, else an empty
-    set, so a trajectory's task wakes twice per turn instead of once per token."""
+    set, so a trajectory's task wakes a few times per turn instead of once per token."""
 
     rid: str
     input_ids: tuple[int, ...]
