@@ -124,6 +124,7 @@ class RolloutExecutor:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.env, self.engine, self.renderer = env, engine, renderer
         self.policy = build_scheduler(policy) if isinstance(policy, str) else policy
+        self._preempts = self.policy.preempts  # asked on every state change: a policy that cannot is not asked
         self.clock = clock
         self.carry_over: list[TrajectoryRun] = []
         self._tools = env.tools()
@@ -147,7 +148,7 @@ class RolloutExecutor:
             run.preempt_requested = run.suspended = False
             run.last_node = self._graph.add("prompt", run.id, start=self._now(), resumed=True)
             self._graph.finish(run.last_node, self._now())
-        prompts: dict[str, list[int]] = {}  # rendered once per distinct initial conversation (a GRPO group's)
+        prompts: dict[str, TokenSpan] = {}  # rendered once per distinct initial conversation (a GRPO group's)
         self._runs = carried + [self._start(spec, prompts) for spec in specs]
         self._completion_order: list[str] = []
         async with anyio.create_task_group() as self._tg:
@@ -167,11 +168,11 @@ class RolloutExecutor:
         self._graph.close(end)
         return RolloutResult(out, self._graph, end, len(self.carry_over), self._preempted, self._streamed)
 
-    def _start(self, spec: EpisodeSpec, prompts: dict[str, list[int]]) -> TrajectoryRun:
+    def _start(self, spec: EpisodeSpec, prompts: dict[str, TokenSpan]) -> TrajectoryRun:
         messages = self.env.reset(spec.task)
         key = json.dumps(messages, sort_keys=True, default=repr)
         if key not in prompts:
-            prompts[key] = self.renderer.prompt(messages, self._tool_schemas)
+            prompts[key] = TokenSpan.prompt(self.renderer.prompt(messages, self._tool_schemas))
         prompt = prompts[key]
         traj = Trajectory.start(spec.trajectory_id, spec.task.id, spec.group_id, prompt)
         run = TrajectoryRun(spec=spec, traj=traj)
@@ -202,7 +203,7 @@ class RolloutExecutor:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
-        for tid in self.policy.preempt(self.view()):
+        for tid in self.policy.preempt(self.view()) if self._preempts else ():
             run = next(r for r in self._runs if r.id == tid)
             if run.preempt_requested or run.stage is Stage.DONE:
                 continue
@@ -221,10 +222,10 @@ class RolloutExecutor:
 
     def _set_stage(self, run: TrajectoryRun, stage: Stage) -> None:
         run.stage = stage
-        if stage is Stage.DONE and run.traj.group_id not in self._completion_order:
-            if all(r.stage is Stage.DONE for r in self._runs if r.traj.group_id == run.traj.group_id):
-                self._completion_order.append(run.traj.group_id)
         self._notify(run)
+        group = run.traj.group_id
+        if stage is Stage.DONE and group not in self._completion_order and self.view().group_complete(group):
+            self._completion_order.append(group)
 
     # ------------------------------------------------------------------------------------------ driver
     async def _drive(self, run: TrajectoryRun) -> None:
@@ -441,18 +442,25 @@ class RolloutExecutor:
                     return
             results[call.id] = await self._execute(run, call)
 
-        with anyio.CancelScope() as scope:
-            run.tool_scopes.append(scope)
+        async def every() -> None:
             if len(calls) == 1:  # the common case needs no task group
                 await one(calls[0])
-            else:
+            elif calls:
                 async with anyio.create_task_group() as tg:
                     for call in calls:
                         tg.start_soon(one, call)
-        run.tool_scopes.clear()
+
+        if calls and self._preempts:  # a preemption cancels the calls through this scope
+            with anyio.CancelScope() as scope:
+                run.tool_scopes.append(scope)
+                await every()
+            run.tool_scopes.clear()
+            if scope.cancelled_caught:
+                run.early_tools.clear()
+                return []
+        else:
+            await every()
         run.early_tools.clear()
-        if scope.cancelled_caught:
-            return []
         return [results[c.id] for c in calls]
 
     async def _tools_and_step(self, run: TrajectoryRun) -> bool:

@@ -234,18 +234,20 @@ async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: fl
     if chosen.context_param is not None:
         arguments[chosen.context_param] = context
     try:
-        with anyio.fail_after(deadline):
+        # a plain scope, not ``fail_after`` (two generator context managers per call): only its own deadline
+        # can cancel it, so a caught cancellation is the timeout; a cancellation from outside propagates
+        with anyio.CancelScope(deadline=anyio.current_time() + deadline) as scope:
             if inspect.iscoroutinefunction(chosen.fn):
                 value = await chosen.fn(**arguments)
             else:
                 value = await anyio.to_thread.run_sync(lambda: chosen.fn(**arguments), abandon_on_cancel=True)
-    except TimeoutError:
-        err = ErrorRecord("tool_timeout", f"tool {call.name} ran past its {deadline:g}s deadline")
-        return result(f"Error: {err.message}", err)
     except ToolFailed as exc:
         return result(exc.content, exc.record)
     except Exception as exc:  # the tool's own failure is data; cancellation (BaseException) propagates
         err = ErrorRecord.from_exception("tool_crash", exc, tool=call.name)
+        return result(f"Error: {err.message}", err)
+    if scope.cancelled_caught:
+        err = ErrorRecord("tool_timeout", f"tool {call.name} ran past its {deadline:g}s deadline")
         return result(f"Error: {err.message}", err)
     return result(_render_result(value))
 

@@ -54,27 +54,28 @@ class TokenSpan:
     kind: TokenKind
 
     def __post_init__(self) -> None:
-        ids, lps, vers = (np.asarray(a) for a in (self.token_ids, self.logprobs, self.versions))
+        ids, lps, vers = np.asarray(self.token_ids), np.asarray(self.logprobs), np.asarray(self.versions)
         if not (ids.ndim == lps.ndim == vers.ndim == 1):
             raise ValueError("token_ids, logprobs and versions must be 1-D")
         if not (len(ids) == len(lps) == len(vers)):
             raise ValueError(
                 f"token arrays differ in length: token_ids={len(ids)} logprobs={len(lps)} versions={len(vers)}"
             )
-        if len(ids) and ids.min() < 0:
-            raise ValueError("token ids must be non-negative")
         kind = TokenKind(self.kind)
-        if kind is TokenKind.GENERATED:
-            # a NaN makes min NaN, a -inf makes it -inf, a +inf fails the bound on max
-            if len(lps) and not (np.isfinite(lps.min()) and lps.max() <= 1e-6):
-                raise ValueError("generated tokens need finite sampling logprobs <= 0")
-            if len(vers) and vers.min() < 0:
-                raise ValueError("generated tokens need a weight version >= 0")
-        else:
-            if not np.all(np.isnan(lps)):
-                raise ValueError(f"{kind.name.lower()} tokens must have logprob NaN")
-            if not np.all(vers == NO_VERSION):
-                raise ValueError(f"{kind.name.lower()} tokens must have version {NO_VERSION}")
+        if len(ids):  # (ndarray methods: spans are short, so the per-call cost of the np.* wrappers counts)
+            if ids.min() < 0:
+                raise ValueError("token ids must be non-negative")
+            if kind is TokenKind.GENERATED:
+                # a NaN makes min NaN, a -inf makes it -inf, a +inf fails the bound on max
+                if not (np.isfinite(lps.min()) and lps.max() <= 1e-6):
+                    raise ValueError("generated tokens need finite sampling logprobs <= 0")
+                if vers.min() < 0:
+                    raise ValueError("generated tokens need a weight version >= 0")
+            else:
+                if not np.isnan(lps).all():
+                    raise ValueError(f"{kind.name.lower()} tokens must have logprob NaN")
+                if not (vers == NO_VERSION).all():
+                    raise ValueError(f"{kind.name.lower()} tokens must have version {NO_VERSION}")
         object.__setattr__(self, "token_ids", ids.astype(np.int64, copy=False))
         object.__setattr__(self, "logprobs", lps.astype(np.float64, copy=False))
         object.__setattr__(self, "versions", vers.astype(np.int64, copy=False))
@@ -142,6 +143,9 @@ class Turn:
     obs_end: int = -1
 
 
+_VALID_KINDS = frozenset(int(k) for k in TokenKind)
+
+
 @dataclass
 class Trajectory:
     """One episode, token by token.
@@ -164,13 +168,13 @@ class Trajectory:
     error: ErrorRecord | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     _generated: int = field(default=0, init=False, repr=False, compare=False)  # generated tokens, kept by append
+    _buffers: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (owner id, 4 arrays)
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
         kinds = np.asarray(self.kinds, dtype=np.int8)
-        valid_kinds = {int(k) for k in TokenKind}
-        if not set(np.unique(kinds).tolist()) <= valid_kinds:
-            raise ValueError(f"unknown token kinds in {sorted(set(kinds.tolist()) - valid_kinds)}")
+        if len(kinds) and not set(np.unique(kinds).tolist()) <= _VALID_KINDS:
+            raise ValueError(f"unknown token kinds in {sorted(set(kinds.tolist()) - _VALID_KINDS)}")
         arrays = {"token_ids": self.token_ids, "logprobs": self.logprobs, "versions": self.versions, "kinds": kinds}
         lengths = {name: len(a) for name, a in arrays.items()}
         if len(set(lengths.values())) != 1:
@@ -189,22 +193,41 @@ class Trajectory:
                 self.append(span)
 
     @classmethod
-    def start(cls, id: str, task_id: str, group_id: str, prompt_ids: Sequence[int], **metadata: Any) -> "Trajectory":
-        """A new trajectory holding only its prompt."""
+    def start(cls, id: str, task_id: str, group_id: str, prompt_ids: Sequence[int] | TokenSpan,
+              **metadata: Any) -> "Trajectory":
+        """A new trajectory holding only its prompt: token ids, or a prompt span (built and checked once and
+        shared, e.g. by the members of a GRPO group)."""
+        if isinstance(prompt_ids, TokenSpan) and prompt_ids.kind is not TokenKind.PROMPT:
+            raise ValueError(f"a trajectory starts with a prompt span, not a {prompt_ids.kind.name.lower()} span")
         traj = cls(id=id, task_id=task_id, group_id=group_id, metadata=dict(metadata))
-        traj.append(TokenSpan.prompt(prompt_ids))
+        traj.append(prompt_ids if isinstance(prompt_ids, TokenSpan) else TokenSpan.prompt(prompt_ids))
         return traj
 
     def append(self, span: TokenSpan) -> tuple[int, int]:
-        """Append a validated span; return its ``[start, end)`` offsets in the trajectory."""
-        start = len(self.token_ids)
-        self.token_ids = np.concatenate([self.token_ids, span.token_ids])
-        self.logprobs = np.concatenate([self.logprobs, span.logprobs])
-        self.versions = np.concatenate([self.versions, span.versions])
-        self.kinds = np.concatenate([self.kinds, np.full(len(span), int(span.kind), np.int8)])
+        """Append a validated span; return its ``[start, end)`` offsets in the trajectory.
+
+        The four arrays are views of buffers that grow geometrically, so an append copies the span, not the
+        whole trajectory (O(total length) over an episode, not O(turns × length)). Only positions past the
+        arrays' end are ever written, so arrays read earlier keep their values. A copy of the trajectory
+        (shallow or deep) writes to buffers of its own: buffers belong to the object that made them.
+        """
+        start, end = len(self.token_ids), len(self.token_ids) + len(span)
+        owner, ids, lps, vers, kinds = self._buffers or (None, None, None, None, None)
+        if not (owner == id(self) and len(ids) >= end and self.token_ids.base is ids and self.logprobs.base is lps
+                and self.versions.base is vers and self.kinds.base is kinds):
+            arrays = self.token_ids, self.logprobs, self.versions, self.kinds
+            ids, lps, vers, kinds = (np.empty(max(2 * end, 256), a.dtype) for a in arrays)
+            for array, buffer in zip(arrays, (ids, lps, vers, kinds)):
+                buffer[:start] = array
+            self._buffers = (id(self), ids, lps, vers, kinds)
+        ids[start:end] = span.token_ids
+        lps[start:end] = span.logprobs
+        vers[start:end] = span.versions
+        kinds[start:end] = span.kind
+        self.token_ids, self.logprobs, self.versions, self.kinds = ids[:end], lps[:end], vers[:end], kinds[:end]
         if span.kind is TokenKind.GENERATED:
             self._generated += len(span)
-        return start, len(self.token_ids)
+        return start, end
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -242,3 +265,7 @@ class Trajectory:
             raise ValueError("a failed trajectory needs an ErrorRecord")
         self.status = status
         self.error = error
+        # nothing is appended to a finished episode: give back the buffers' spare room (half of it, on average)
+        self.token_ids, self.logprobs, self.versions, self.kinds = (
+            a.copy() for a in (self.token_ids, self.logprobs, self.versions, self.kinds))
+        self._buffers = None

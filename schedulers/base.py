@@ -66,8 +66,9 @@ class TrajectoryView:
 @dataclass
 class _Tally:
     """What policies ask of a view on every state change, kept so that replacing one trajectory's entry
-    updates it in O(1) Python work (plus copies of a few dicts no larger than the number of turns or groups),
-    instead of a pass over every trajectory. Counts are plain dicts without zero entries."""
+    updates it in O(1) Python work, instead of a pass over every trajectory. Counts are plain dicts without
+    zero entries; a derived tally copies only the counts the change moves (copy on write), so views stay
+    immutable snapshots."""
 
     positions: dict[str, int]  # trajectory id -> index; shared by the views of a batch until one is added
     group_size: dict[str, int]  # in order of first appearance; shared like ``positions``
@@ -75,31 +76,64 @@ class _Tally:
     live_turns: dict[int, int]  # turn -> live trajectories in it
     live_not_in_tools: dict[int, int]  # turn -> live trajectories in it not running its tools
     group_done: dict[str, int]  # group -> members done
+    complete_groups: int  # groups whose members are all done
     generated_tokens: int
 
     @classmethod
     def of(cls, entries: tuple[TrajectoryView, ...]) -> "_Tally":
         sizes = dict(Counter(t.group_id for t in entries))
-        tally = cls({t.id: i for i, t in enumerate(entries)}, sizes, tuple(sizes), {}, {}, {}, 0)
+        tally = cls({t.id: i for i, t in enumerate(entries)}, sizes, tuple(sizes), {}, {}, {}, 0,
+                    sum(t.generated_tokens for t in entries))
         for t in entries:
-            tally._count(t, +1)
+            live_turn, not_in_tools_turn, done_group = _counted_as(t)
+            if live_turn is not None:
+                _bump(tally.live_turns, live_turn, +1)
+            if not_in_tools_turn is not None:
+                _bump(tally.live_not_in_tools, not_in_tools_turn, +1)
+            if done_group is not None:
+                tally._count_done(done_group, +1)
         return tally
 
     def replaced(self, old: TrajectoryView, new: TrajectoryView) -> "_Tally":
-        tally = _Tally(self.positions, self.group_size, self.group_order, self.live_turns.copy(),
-                       self.live_not_in_tools.copy(), self.group_done.copy(), self.generated_tokens)
-        tally._count(old, -1)
-        tally._count(new, +1)
+        (live0, tools0, done0), (live1, tools1, done1) = _counted_as(old), _counted_as(new)
+        tally = _Tally(self.positions, self.group_size, self.group_order, self.live_turns, self.live_not_in_tools,
+                       self.group_done, self.complete_groups,
+                       self.generated_tokens - old.generated_tokens + new.generated_tokens)
+        if live0 != live1:
+            tally.live_turns = _moved(self.live_turns, live0, live1)
+        if tools0 != tools1:
+            tally.live_not_in_tools = _moved(self.live_not_in_tools, tools0, tools1)
+        if done0 != done1:
+            tally.group_done = self.group_done.copy()
+            for group, delta in ((done0, -1), (done1, +1)):
+                if group is not None:
+                    tally._count_done(group, delta)
         return tally
 
-    def _count(self, t: TrajectoryView, sign: int) -> None:
-        self.generated_tokens += sign * t.generated_tokens
-        if t.stage is Stage.DONE:
-            _bump(self.group_done, t.group_id, sign)
-        elif t.stage is not Stage.PREEMPTED:  # live
-            _bump(self.live_turns, t.turn, sign)
-            if t.stage is not Stage.TOOLS:
-                _bump(self.live_not_in_tools, t.turn, sign)
+    def _count_done(self, group: str, delta: int) -> None:
+        size = self.group_size[group]
+        self.complete_groups -= self.group_done.get(group, 0) == size
+        _bump(self.group_done, group, delta)
+        self.complete_groups += self.group_done.get(group, 0) == size
+
+
+def _counted_as(t: TrajectoryView) -> tuple[int | None, int | None, str | None]:
+    """Where an entry counts: (its turn if live, its turn if live and not in tools, its group if done)."""
+    if t.stage is Stage.DONE:
+        return None, None, t.group_id
+    if t.stage is Stage.PREEMPTED:
+        return None, None, None
+    return t.turn, (t.turn if t.stage is not Stage.TOOLS else None), None
+
+
+def _moved(counts: dict, old_key, new_key) -> dict:
+    """A copy of ``counts`` with one count moved from ``old_key`` to ``new_key`` (None: nowhere)."""
+    counts = counts.copy()
+    if old_key is not None:
+        _bump(counts, old_key, -1)
+    if new_key is not None:
+        _bump(counts, new_key, +1)
+    return counts
 
 
 def _bump(counts: dict, key, delta: int) -> None:
@@ -132,10 +166,9 @@ class RolloutView:
         """This view with the entry of trajectory ``entry.id`` replaced by ``entry``, at time ``now``."""
         pos = self._tally.positions[entry.id]
         view = object.__new__(RolloutView)
-        object.__setattr__(view, "trajectories", self.trajectories[:pos] + (entry,) + self.trajectories[pos + 1:])
-        object.__setattr__(view, "target_groups", self.target_groups)
-        object.__setattr__(view, "now", now)
-        object.__setattr__(view, "_tally", self._tally.replaced(self.trajectories[pos], entry))
+        view.__dict__.update(trajectories=self.trajectories[:pos] + (entry,) + self.trajectories[pos + 1:],
+                             target_groups=self.target_groups, now=now,
+                             _tally=self._tally.replaced(self.trajectories[pos], entry))
         return view
 
     def __getitem__(self, tid: str) -> TrajectoryView:
@@ -157,6 +190,15 @@ class RolloutView:
     def live_not_in_tools(self, turn: int) -> int:
         """How many live trajectories are in ``turn`` and not running its tools."""
         return self._tally.live_not_in_tools.get(turn, 0)
+
+    def group_complete(self, group: str) -> bool:
+        """Whether every member of ``group`` is done."""
+        return self._tally.group_done.get(group, 0) == self._tally.group_size[group]
+
+    @property
+    def num_complete_groups(self) -> int:
+        """How many groups have all their members done (O(1))."""
+        return self._tally.complete_groups
 
     def complete_groups(self) -> list[str]:
         """Groups whose members are all done, in order of first appearance."""
@@ -192,6 +234,12 @@ class Policy:
 
     def sampling(self, view: RolloutView, tid: str, params):
         return params
+
+    @property
+    def preempts(self) -> bool:
+        """Whether this policy can preempt at all (it defines ``preempt``); if not, the executor neither asks
+        it on every state change nor pays for cancel scopes around tool calls."""
+        return _overrides(self, "preempt")
 
     def describe(self) -> str:
         return f"{self.name} ({self.risk_class.value if self.risk_class else 'no risk class'})"
@@ -229,6 +277,10 @@ class CompositePolicy(Policy):
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return sum(p.priority(view, tid) for p in self._asked["priority"])
+
+    @property
+    def preempts(self) -> bool:
+        return bool(self._asked["preempt"])
 
     def preempt(self, view: RolloutView) -> set[str]:
         asked = self._asked["preempt"]

@@ -27,7 +27,7 @@ class PreemptPolicy(Policy):
         self.token_budget = token_budget
 
     def preempt(self, view: RolloutView) -> set[str]:
-        quota_met = view.target_groups is not None and len(view.complete_groups()) >= view.target_groups
+        quota_met = view.target_groups is not None and view.num_complete_groups >= view.target_groups
         over_budget = self.token_budget is not None and view.generated_tokens >= self.token_budget
         if not (quota_met or over_budget):
             return set()

@@ -44,12 +44,14 @@ ENCODE_PROBES = ["", "plain words", "  leading and trailing  ", "tabs\tand\nnewl
                  "<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "unicode: é ü 中文 🙂", "<|im_start|><|im_start|>x"]
 
 
-def test_encode_gives_the_tokenizers_own_ids(tokenizer):
+def test_encode_and_decode_give_the_tokenizers_own_results(tokenizer):
     """The renderer calls the fast backend directly when that is equivalent; it must match transformers."""
     r = ChatRenderer(tokenizer)
-    assert r._backend is not None  # the fast path is what this test checks
+    assert r._backend is not None and r._decoder is not None  # the fast paths are what this test checks
     for text in ENCODE_PROBES:
-        assert r.encode(text) == list(tokenizer.encode(text, add_special_tokens=False)), text
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        assert r.encode(text) == ids, text
+        assert r.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False), text
 
 
 def test_cut_turn_gets_end_of_turn_as_observation(tokenizer):

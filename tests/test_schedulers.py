@@ -72,21 +72,33 @@ def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scra
     rng = random.Random(0)
     entries = [TrajectoryView(f"t{i}", f"g{i // 4}", 0, Stage.GATE, 0) for i in range(24)]
     derived = RolloutView(tuple(entries), target_groups=2)
+    stages = [*Stage, *[Stage.DONE] * 6]  # DONE often enough that groups complete, and undo
+    kept = []
+
+    def answers(view):
+        return (view.min_live_turn, view.complete_groups(), view.num_complete_groups, view.generated_tokens,
+                [view.live_not_in_tools(turn) for turn in range(6)])
+
     for step in range(400):
         i = rng.randrange(len(entries))
         old = entries[i]
-        entries[i] = TrajectoryView(old.id, old.group_id, old.turn + rng.randint(0, 1), rng.choice(list(Stage)),
+        entries[i] = TrajectoryView(old.id, old.group_id, old.turn + rng.randint(0, 1), rng.choice(stages),
                                     old.generated_tokens + rng.randint(0, 9), old.carry_age)
         derived = derived.with_entry(entries[i], now=float(step))
         rebuilt = RolloutView(tuple(entries), target_groups=2)
         assert derived.trajectories == rebuilt.trajectories and derived.now == step
         assert derived.min_live_turn == rebuilt.min_live_turn == min((t.turn for t in entries if t.live), default=None)
         assert derived.complete_groups() == rebuilt.complete_groups()
+        complete = [g for g in derived.group_order if all(t.stage is Stage.DONE for t in entries if t.group_id == g)]
+        assert [g for g in derived.group_order if derived.group_complete(g)] == complete
+        assert derived.num_complete_groups == rebuilt.num_complete_groups == len(complete)
         assert derived.generated_tokens == rebuilt.generated_tokens == sum(t.generated_tokens for t in entries)
         for turn in range(0, 6):
             expected = sum(t.live and t.turn == turn and t.stage is not Stage.TOOLS for t in entries)
             assert derived.live_not_in_tools(turn) == rebuilt.live_not_in_tools(turn) == expected
         assert derived[entries[i].id] is entries[i]
+        kept.append((derived, answers(derived)))
+    assert all(answers(view) == before for view, before in kept)  # later changes never alter a snapshot
 
 
 def test_scripted_engine_counts_the_longest_prefix_shared_with_any_earlier_sequence():
@@ -112,6 +124,9 @@ def test_build_scheduler_combines_by_name():
     assert combo.early_tool_start and combo.shared_prefill and not combo.barrier
     assert combo.parts[2].max_carry_age == 3
     assert build_scheduler("sync").risk_class is RiskClass.R1
+    # only a policy that defines preempt (alone or as a part) makes the executor ask it and guard tool calls
+    assert combo.preempts and build_scheduler("preempt").preempts
+    assert not any(build_scheduler(n).preempts for n in ("sync", "overlap", "overlap+prefix", "async+warm"))
     for bad, words in [("sync+overlap", "cannot be combined"), ("fast", "unknown scheduler"),
                        ("overlap+overlap", "twice")]:
         with pytest.raises(ConfigError, match=words):

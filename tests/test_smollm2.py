@@ -20,12 +20,14 @@ def test_gguf_converts_to_a_plain_llama(smollm2):
     assert all(t.dtype == torch.float32 for t in smollm2.state_dict.values())
 
 
-def test_renderer_encodes_like_the_tokenizer(smollm2):
+def test_renderer_encodes_and_decodes_like_the_tokenizer(smollm2):
     from test_chat import ENCODE_PROBES
 
     renderer = ChatRenderer(smollm2.tokenizer)
     for text in ENCODE_PROBES:
-        assert renderer.encode(text) == list(smollm2.tokenizer.encode(text, add_special_tokens=False)), text
+        ids = list(smollm2.tokenizer.encode(text, add_special_tokens=False))
+        assert renderer.encode(text) == ids, text
+        assert renderer.decode(ids) == smollm2.tokenizer.decode(ids, skip_special_tokens=False), text
 
 
 async def test_local_engine_matches_hf_and_answers(smollm2):

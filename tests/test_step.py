@@ -33,7 +33,13 @@ def explode(x: int) -> int:
     raise RuntimeError(f"boom {x}")
 
 
-TOOLS = [convert, slow, explode]
+@tool
+async def gives_up(url: str) -> str:
+    """Fails with its own timeout, long before its deadline."""
+    raise TimeoutError(f"upstream {url} did not answer")
+
+
+TOOLS = [convert, slow, explode, gives_up]
 
 
 def test_schema_from_signature_and_docstring():
@@ -75,6 +81,8 @@ async def test_sync_and_async_tools_run():
     (ToolCall("c", "convert", {"amount": 1, "unit": "parsec"}), "bad_arguments", "wrong type for unit"),
     (ToolCall("c", "convert", {"amount": 1, "unit": "km", "extra": 1}), "bad_arguments", "unknown ['extra']"),
     (ToolCall("c", "explode", {"x": 3}), "tool_crash", "RuntimeError: boom 3"),
+    # a timeout the tool raises itself is its failure, not a missed deadline
+    (ToolCall("c", "gives_up", {"url": "x.test"}), "tool_crash", "TimeoutError: upstream x.test did not answer"),
 ])
 async def test_tool_failures_are_typed_records(call, kind, words):
     res = await execute_tool_call(TOOLS, call)

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import numpy as np
@@ -67,6 +68,50 @@ def test_append_keeps_earlier_tokens_bit_exact():
     before = traj.token_ids.copy()
     traj.append(TokenSpan.generated([3], [-0.5], [0]))
     assert traj.token_ids[: len(before)].tolist() == before.tolist()
+
+
+def test_appends_grow_in_place_without_changing_arrays_read_before_or_copies():
+    """Appends write into growing buffers; arrays read earlier, shallow copies and deep copies are unaffected."""
+    rng = np.random.default_rng(0)
+    traj = Trajectory.start("a", "t", "g", [1, 2])
+    expected = {"token_ids": [1, 2], "versions": [-1, -1], "kinds": [0, 0]}
+    seen, copies = [], []
+    for step in range(300):  # past several regrowths of the buffers
+        n = int(rng.integers(1, 9))
+        ids = rng.integers(0, 1000, n).tolist()
+        if step % 2:
+            traj.append(TokenSpan.generated(ids, [-0.5] * n, [step] * n))
+        else:
+            traj.append(TokenSpan.observation(ids))
+        expected["token_ids"] += ids
+        expected["versions"] += [step] * n if step % 2 else [-1] * n
+        expected["kinds"] += [1 if step % 2 else 2] * n
+        if step % 37 == 0:
+            seen.append((traj.token_ids, traj.token_ids.tolist()))
+            copies.append((copy.copy(traj), copy.deepcopy(traj), traj.token_ids.tolist()))
+    for name, values in expected.items():
+        assert getattr(traj, name).tolist() == values, name
+    assert traj.num_generated == int(traj.loss_mask.sum())
+    assert all(array.tolist() == values for array, values in seen)
+    for shallow, deep, values in copies:  # each copy grows on its own, leaving the original alone
+        for clone in (shallow, deep):
+            clone.append(TokenSpan.observation([7, 7]))
+            assert clone.token_ids.tolist() == values + [7, 7]
+    assert traj.token_ids.tolist() == expected["token_ids"]
+    traj.finish(Status.TRUNCATED)  # a finished episode keeps its tokens in arrays of their own size
+    assert traj.token_ids.tolist() == expected["token_ids"] and traj.token_ids.base is None
+    assert all(array.tolist() == values for array, values in seen)
+
+
+def test_a_prompt_span_is_shared_by_trajectories_without_coupling_them():
+    prompt = TokenSpan.prompt([1, 2, 3])
+    a, b = (Trajectory.start(tid, "t", "g", prompt) for tid in ("a", "b"))
+    a.append(TokenSpan.generated([4], [-0.5], [0]))
+    b.append(TokenSpan.observation([9, 9]))
+    assert a.token_ids.tolist() == [1, 2, 3, 4] and b.token_ids.tolist() == [1, 2, 3, 9, 9]
+    assert prompt.token_ids.tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="prompt span"):
+        Trajectory.start("c", "t", "g", TokenSpan.observation([1]))
 
 
 def test_failed_needs_error():

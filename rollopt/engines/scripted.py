@@ -65,6 +65,19 @@ class ScriptedEngine(Engine):
     def _remember(self, ids: Sequence[int]) -> None:
         bisect.insort(self._seen, self._key(ids))
 
+    def _batch_end(self, request: GenerateRequest, planned: list[int], start: int, sent: int) -> int:
+        """Where the tokens emitted from ``planned[start]`` on without a scheduling point end: the token-by-token
+        loop yields control only after a token it must send (or after a paced token), and stops at a stop
+        token, so everything before the first such token can be emitted at once."""
+        if self.token_delay_s or not may_hold_back(request, sent, ()):
+            return start + 1
+        stop = None if request.sampling.ignore_eos else self.eos_token_id
+        rest = planned[start:]
+        if stop not in rest and may_hold_back(request, sent, rest):  # the common case: nothing to look at
+            return len(planned)
+        return next(k + 1 for k in range(start, len(planned))
+                    if planned[k] == stop or not may_hold_back(request, sent, planned[k:k + 1]))
+
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         request.sampling.validate()
         self.requests.append(request)
@@ -75,7 +88,7 @@ class ScriptedEngine(Engine):
         reason = FinishReason.LENGTH
         self._in_flight.add(request.rid)
         sent = 0
-        for token in planned:
+        while len(out) < len(planned):
             if sent == len(out) or not self._running.is_set():  # a scheduling point per chunk; a pause holds
                 await self._running.wait()
             if request.rid in self._aborted:
@@ -83,8 +96,10 @@ class ScriptedEngine(Engine):
                 break
             if self.token_delay_s:
                 await anyio.sleep(self.token_delay_s)
-            out.append(token)
-            versions.append(self.version)
+            taken = planned[len(out): self._batch_end(request, planned, len(out), sent)]
+            out += taken
+            versions += [self.version] * len(taken)
+            token = taken[-1]
             if not may_hold_back(request, sent, (token,)):  # the tokens held before it were checked already
                 yield GenerateChunk(request.rid, out[sent:], [self.logprob] * (len(out) - sent), versions[sent:])
                 sent = len(out)
