@@ -183,6 +183,25 @@ async def test_stream_chunks_concatenate_to_the_result(sglang_server):
         assert res.output_ids == (await eng.generate(GenerateRequest("st", PROMPTS[1], greedy(40)))).output_ids
 
 
+async def test_stream_tokens_hold_back_all_but_the_first_and_the_watched_tokens(sglang_server):
+    """The client buffers what the request lets it hold back; tokens, logprobs, versions and result are unchanged."""
+    async with SGLangEngine(sglang_server.base_url) as eng:
+        reference = await eng.generate(GenerateRequest("ref", PROMPTS[1], greedy(40)))
+        watched = reference.output_ids[20]
+        for tokens in (frozenset(), frozenset({watched})):
+            request = GenerateRequest("held", PROMPTS[1], greedy(40), stream_tokens=tokens)
+            chunks = [c async for c in eng.stream(request)]
+            result = chunks[-1].result
+            assert result is not None and result.output_ids == reference.output_ids
+            assert result.logprobs == reference.logprobs and result.versions == reference.versions
+            assert sum((c.token_ids for c in chunks), []) == result.output_ids
+            assert sum((c.logprobs for c in chunks), []) == result.logprobs
+            assert sum((c.versions for c in chunks), []) == result.versions
+            # after the first chunk, a chunk is sent before the last only when it holds a watched token
+            assert all(watched in c.token_ids and c.token_ids[-1] == watched for c in chunks[1:-1])
+            assert len(chunks) <= 2 + reference.output_ids.count(watched) * (watched in tokens)
+
+
 async def test_abort_keeps_partial_and_resume_completes_identically(sglang_server):
     n = 160
     async with SGLangEngine(sglang_server.base_url) as eng:

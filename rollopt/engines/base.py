@@ -100,8 +100,8 @@ class GenerateRequest:
     then only a chunk that holds one of these ids, and the last chunk; held tokens ride with the next chunk
     sent. The tokens, their logprobs and versions, and the result are the same either way (an
     :class:`EngineFailure`'s ``partial`` holds the whole output, sent or not). A hint (see
-    :func:`may_hold_back`): the embedded and scripted engines follow it; the SGLang client streams every
-    token. The executor passes the ids that can close a tool call when it starts tools early, else an empty
+    :func:`may_hold_back`): every engine here follows it (the SGLang server still sends each token; the
+    client buffers the ones it may hold back instead of waking the caller). The executor passes the ids that can close a tool call when it starts tools early, else an empty
     set, so a trajectory's task wakes a few times per turn instead of once per token."""
 
     rid: str

@@ -80,6 +80,7 @@ from rollopt.engines.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    may_hold_back,
     next_version,
 )
 from rollopt.errors import BadRequestError, ConfigError, EngineError
@@ -115,6 +116,7 @@ class _Live:
     cached_tokens: int = 0
     prompt_tokens: int | None = None  # as the server counted them
     registered: bool = False  # the server has answered at least once, so it knows the rid
+    sent: int = 0  # output tokens already passed to the caller (the rest are held back: ``stream_tokens``)
     abort_requested: bool = False
     abort_resent: bool = False
 
@@ -448,19 +450,22 @@ class SGLangEngine(Engine):
             live.prompt_tokens = int(meta["prompt_tokens"])
         reason = meta.get("finish_reason")
         if reason is None:
-            if not ids:
+            if not ids or may_hold_back(live.request, live.sent, ids):
                 return None
-            return GenerateChunk(rid=live.request.rid, token_ids=ids, logprobs=lps, versions=[provisional] * len(ids))
+            return self._unsent(live)
         spans = meta.get("weight_versions")
         if spans:
             exact = versions_from_spans(spans, len(live.output_ids), self._version_of)
             if exact is not None:
                 live.versions = exact
-        result = self._result(live, reason)
-        n_new = len(ids)
-        start = len(live.output_ids) - n_new
-        return GenerateChunk(rid=live.request.rid, token_ids=ids, logprobs=lps, versions=live.versions[start:],
-                             result=result)
+        return self._unsent(live, self._result(live, reason))
+
+    @staticmethod
+    def _unsent(live: _Live, result: GenerateResult | None = None) -> GenerateChunk:
+        """A chunk of every token not passed to the caller yet (those held back included)."""
+        start, live.sent = live.sent, len(live.output_ids)
+        return GenerateChunk(rid=live.request.rid, token_ids=live.output_ids[start:], logprobs=live.logprobs[start:],
+                             versions=live.versions[start:], result=result)
 
     def _result(self, live: _Live, reason: dict[str, Any]) -> GenerateResult:
         kind = reason.get("type")
