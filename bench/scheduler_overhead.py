@@ -100,15 +100,15 @@ def scripted_engine(vocab: int) -> ScriptedEngine:
                           count_cached_tokens=False)  # the engine's own bookkeeping is not the scheduler's
 
 
-async def scripted_wall(env, specs, renderer: TimedRenderer, policy: str, vocab: int) -> tuple[float, float, int, int]:
-    """Wall seconds of the batch on the scripted engine, the part of them spent rendering chat, and the batch's
-    turns and generated tokens."""
+async def scripted_wall(env, specs, renderer: TimedRenderer, policy: str,
+                        vocab: int) -> tuple[float, float, list[Trajectory]]:
+    """Wall seconds of the batch on the scripted engine, the part of them spent rendering chat, and the
+    batch's trajectories."""
     engine = scripted_engine(vocab)
     rendering_before, started = renderer.seconds, time.perf_counter()
     result = await RolloutExecutor(env, engine, renderer, policy).run(specs)
     wall = time.perf_counter() - started
-    return (wall, renderer.seconds - rendering_before, sum(len(t.turns) for t in result.trajectories),
-            sum(t.num_generated for t in result.trajectories))
+    return wall, renderer.seconds - rendering_before, result.trajectories
 
 
 async def bare_loop(env, specs, renderer: ChatRenderer, vocab: int) -> tuple[float, dict[str, list[int]]]:
@@ -149,11 +149,6 @@ async def bare_loop(env, specs, renderer: ChatRenderer, vocab: int) -> tuple[flo
     return time.perf_counter() - started, tokens
 
 
-async def scripted_tokens(env, specs, renderer: ChatRenderer, policy: str, vocab: int) -> dict[str, list[int]]:
-    result = await RolloutExecutor(env, scripted_engine(vocab), renderer, policy).run(specs)
-    return {t.id: t.token_ids.tolist() for t in result.trajectories}
-
-
 async def engine_busy(env, specs, renderer, policy: str, model) -> tuple[float, float]:
     """The embedded engine's busy seconds for the batch, and the batch's wall seconds."""
     engine = LocalEngine(model.config, model.state_dict, LocalEngineConfig(max_running=256, max_context=2048,
@@ -183,7 +178,8 @@ def main() -> None:
         env, specs = loads[c]
         bare_tokens = anyio.run(bare_loop, env, specs, renderer, vocab)[1]
         for policy in POLICIES:
-            if anyio.run(scripted_tokens, env, specs, renderer, policy, vocab) != bare_tokens:
+            trajectories = anyio.run(scripted_wall, env, specs, renderer, policy, vocab)[2]
+            if {t.id: t.token_ids.tolist() for t in trajectories} != bare_tokens:
                 raise AssertionError(f"{c} {policy}: the bare loop and the executor did different work")
         anyio.run(engine_busy, env, specs, renderer, POLICIES[0], model)
     renderer.seconds = 0.0
@@ -200,13 +196,17 @@ def main() -> None:
                 runs["bare"].append(anyio.run(bare_loop, env, specs, renderer, vocab)[0])
                 for policy in POLICIES:
                     gc.collect()
-                    runs[policy].append(anyio.run(scripted_wall, env, specs, renderer, policy, vocab))
+                    wall, rendering, trajectories = anyio.run(scripted_wall, env, specs, renderer, policy, vocab)
+                    r = raw[(c, policy)]
+                    r["turns"] = sum(len(t.turns) for t in trajectories)
+                    r["tokens"] = sum(t.num_generated for t in trajectories)
+                    runs[policy].append((wall, rendering))  # not the trajectories: no batch outlives its run
+                    del trajectories
             for policy in POLICIES:
                 r = raw[(c, policy)]
                 r["bare_loop_wall_s"].append(statistics.median(runs["bare"]))
-                r["scripted_wall_s"].append(statistics.median(w for w, _, _, _ in runs[policy]))
-                r["rendering_s"].append(statistics.median(x for _, x, _, _ in runs[policy]))
-                _, _, r["turns"], r["tokens"] = runs[policy][0]
+                r["scripted_wall_s"].append(statistics.median(w for w, _ in runs[policy]))
+                r["rendering_s"].append(statistics.median(x for _, x in runs[policy]))
                 gc.collect()
                 busy, engine_wall = anyio.run(engine_busy, env, specs, renderer, policy, model)
                 r["engine_busy_s"].append(busy)

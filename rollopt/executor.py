@@ -450,18 +450,17 @@ class RolloutExecutor:
                     for call in calls:
                         tg.start_soon(one, call)
 
+        preempted = False
         if calls and self._preempts:  # a preemption cancels the calls through this scope
             with anyio.CancelScope() as scope:
                 run.tool_scopes.append(scope)
                 await every()
             run.tool_scopes.clear()
-            if scope.cancelled_caught:
-                run.early_tools.clear()
-                return []
+            preempted = scope.cancelled_caught
         else:
             await every()
         run.early_tools.clear()
-        return [results[c.id] for c in calls]
+        return [] if preempted else [results[c.id] for c in calls]
 
     async def _tools_and_step(self, run: TrajectoryRun) -> bool:
         """Run the decoded turn's tools, then the environment's step. Returns False if preempted."""

@@ -202,8 +202,7 @@ class RolloutView:
 
     def complete_groups(self) -> list[str]:
         """Groups whose members are all done, in order of first appearance."""
-        done = self._tally.group_done
-        return [g for g, size in self._tally.group_size.items() if done.get(g, 0) == size]
+        return [g for g in self._tally.group_order if self.group_complete(g)]
 
     @property
     def generated_tokens(self) -> int:

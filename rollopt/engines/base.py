@@ -101,8 +101,9 @@ class GenerateRequest:
     sent. The tokens, their logprobs and versions, and the result are the same either way (an
     :class:`EngineFailure`'s ``partial`` holds the whole output, sent or not). A hint (see
     :func:`may_hold_back`): every engine here follows it (the SGLang server still sends each token; the
-    client buffers the ones it may hold back instead of waking the caller). The executor passes the ids that can close a tool call when it starts tools early, else an empty
-    set, so a trajectory's task wakes a few times per turn instead of once per token."""
+    client buffers the ones it may hold back instead of waking the caller). The executor passes the ids that
+    can close a tool call when it starts tools early, else an empty set, so a trajectory's task wakes a few
+    times per turn instead of once per token."""
 
     rid: str
     input_ids: tuple[int, ...]
