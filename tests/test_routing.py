@@ -156,6 +156,7 @@ async def test_no_healthy_server_left_raises_engine_failure_with_the_partial():
             async for chunk in engine.stream(GenerateRequest("r", (7,), greedy(10))):
                 streamed += chunk.token_ids
         assert isinstance(info.value, EngineFailure) and info.value.partial.output_ids == streamed == [8, 9, 10, 11]
+        assert "a: EngineFailure" in str(info.value)  # the message says what took each server out
         assert not await engine.health()
 
 

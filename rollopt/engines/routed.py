@@ -273,7 +273,8 @@ class RoutedEngine(Engine):
         try:
             index = self.router.route(flight.key)
         except NoHealthyServer as exc:
-            raise AllServersFailed(f"request {flight.request.rid}: {exc}",
+            why = "; ".join(f"{s.name}: {s.last_error}" for s in self._stats if s.last_error)  # what took each out
+            raise AllServersFailed(f"request {flight.request.rid}: {exc} ({why})",
                                    partial=flight.result(FinishReason.ABORT)) from None
         stats, engine = self._stats[index], self.engines[index]
         flight.server, flight.segment_start = index, len(flight.output_ids)
