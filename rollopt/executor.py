@@ -13,8 +13,13 @@ Guarantees (tests check each):
   for (e.g. the engine paused for a weight update) is resumed at once.
 * **Failures are data.** An engine failure fails only its trajectory (with its partial tokens); an
   environment that raises fails only its trajectory; tool failures are typed records in the turn.
-* **Carry-over is bounded.** Preempted trajectories wait in ``carry_over`` and resume first in the next
-  ``run``; their ``carry_age`` grows each time, and the preempt policy exempts any at its ``max_carry_age``.
+* **Conservation.** Every trajectory a call starts (from a spec or by a fork) is returned by exactly one call
+  or waits in the carry-over (:class:`~rollopt.episodes.CarryOver`, :attr:`RolloutExecutor.carry`): whole
+  groups that were complete beyond the call's quota, and groups with preempted members. The next call
+  returns the carried complete groups first, and they count toward its quota; preempted members resume
+  first. ``carry_age`` grows by one per call, and the preempt policy exempts any at its ``max_carry_age``, so
+  the buffer is bounded in age; callers bound its size by adding fewer new groups while it holds some
+  (``rollopt.trainer.loop`` adds ``tasks_per_step + extra_groups − carried groups``).
 * **Every dispatched step is one graph node** with start/end times (``RolloutResult.graph``); a ``generate``
   node also records ``first_token``, when its first token arrived, and a suspension is a ``preempted`` mark.
 """
@@ -32,10 +37,11 @@ import anyio
 
 from rollopt.chat import ChatRenderer
 from rollopt.engines.base import Engine, EngineFailure, FinishReason, GenerateRequest, SamplingParams
-from rollopt.errors import EngineError, ErrorRecord
+from rollopt.episodes import CarriedTrajectory, CarryOver, EpisodeSpec, episode_specs
+from rollopt.errors import ConfigError, EngineError, ErrorRecord
 from rollopt.graph import RolloutGraph
 from rollopt.schedulers import Policy, RolloutView, Stage, TrajectoryView, build_scheduler
-from rollopt.step import Environment, Task, ToolContext, execute_tool_call
+from rollopt.step import Environment, ToolContext, execute_tool_call
 from rollopt.toolcalls import CLOSE_TAG, ParsedTurn, ToolCallStream
 from rollopt.trajectory import Status, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
 
@@ -43,31 +49,10 @@ MAX_RESUBMITS = 8
 """How many unrequested aborts (engine pauses) one turn survives before its trajectory ends as aborted."""
 
 
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """One episode to run. ``fork_after_turn``/``fork_branches``: after that turn's observation the
-    trajectory branches into ``fork_branches`` trajectories sharing its tokens (itself plus clones)."""
-
-    task: Task
-    trajectory_id: str
-    group_id: str
-    sampling: SamplingParams
-    fork_after_turn: int | None = None
-    fork_branches: int = 1
-
-
-def episode_specs(tasks: Sequence[Task], group_size: int, sampling: SamplingParams, seed: int,
-                  **fork: int) -> list[EpisodeSpec]:
-    """One spec per (task, sample); sample ``j`` of task ``i`` gets sampling seed ``seed·10⁶ + i·G + j``, so a
-    seed fixes every request's sampling."""
-    return [EpisodeSpec(task=task, trajectory_id=f"{task.id}.s{j}", group_id=task.id,
-                        sampling=replace(sampling, seed=seed * 1_000_000 + i * group_size + j), **fork)
-            for i, task in enumerate(tasks) for j in range(group_size)]
-
-
 @dataclass(eq=False)
 class TrajectoryRun:
-    """The executor's mutable state of one trajectory (also what is carried over between batches)."""
+    """The executor's mutable state of one trajectory (exported between calls as a
+    :class:`~rollopt.episodes.CarriedTrajectory`)."""
 
     spec: EpisodeSpec
     traj: Trajectory
@@ -88,6 +73,17 @@ class TrajectoryRun:
     @property
     def id(self) -> str:
         return self.traj.id
+
+    def carried(self) -> CarriedTrajectory:
+        """This trajectory as a carry-over record (it shares the trajectory object; see :meth:`CarryOver.copy`)."""
+        return CarriedTrajectory(self.spec, self.traj, self.stage.value, self.turn, self.carry_age, self.turn_start,
+                                 self.segments, self.pending)
+
+    @classmethod
+    def resumed(cls, record: CarriedTrajectory) -> "TrajectoryRun":
+        return cls(spec=record.spec, traj=record.trajectory, turn=record.turn, stage=Stage(record.stage),
+                   carry_age=record.carry_age, turn_start=record.turn_start, segments=record.segments,
+                   pending=record.pending)
 
     def view(self) -> TrajectoryView:
         """The policy's view of this trajectory; rebuilt only when what it shows changed (the executor asks
@@ -115,10 +111,13 @@ class RolloutResult:
     carried_over: int  # trajectories left in the executor's carry-over buffer
     preempted: int  # trajectories preempted in this batch
     tokens_streamed: int  # generated tokens received from the engine in this batch
+    started: tuple[str, ...] = ()  # trajectories this call started: one per spec, plus every fork's clones
+    carried_groups: int = 0  # groups in the carry-over buffer
+    carried_age_max: int = 0  # the largest carry_age in the buffer (calls a trajectory has waited)
 
 
 class RolloutExecutor:
-    """Runs batches of episodes; keeps the carry-over buffer between batches."""
+    """Runs batches of episodes; keeps the carry-over buffer between batches (:attr:`carry`)."""
 
     def __init__(self, env: Environment, engine: Engine, renderer: ChatRenderer, policy: Policy | str = "overlap",
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -126,14 +125,32 @@ class RolloutExecutor:
         self.policy = build_scheduler(policy) if isinstance(policy, str) else policy
         self._preempts = self.policy.preempts  # asked on every state change: a policy that cannot is not asked
         self.clock = clock
-        self.carry_over: list[TrajectoryRun] = []
+        self._carry: list[TrajectoryRun] = []
         self._tools = env.tools()
         self._tool_schemas = env.prompt_tool_schemas()
+
+    # ------------------------------------------------------------------------------------------ carry-over
+    @property
+    def carry(self) -> CarryOver:
+        """An independent snapshot of the carry-over buffer (safe to keep while later calls run)."""
+        return CarryOver(tuple(r.carried() for r in self._carry)).copy()
+
+    @property
+    def carried_groups(self) -> int:
+        """How many groups the carry-over buffer holds (what the next call returns or resumes first)."""
+        return len({r.traj.group_id for r in self._carry})
+
+    def restore_carry(self, carry: CarryOver) -> None:
+        """Replace the buffer with ``carry`` (e.g. from a checkpoint); the next :meth:`run` resumes it."""
+        self._carry = [TrajectoryRun.resumed(record) for record in carry.copy()]
 
     # ------------------------------------------------------------------------------------------ batch
     async def run(self, specs: Sequence[EpisodeSpec], target_groups: int | None = None) -> RolloutResult:
         """Run carried-over trajectories and ``specs``; return once ``target_groups`` groups (default: all)
-        are complete and every other trajectory is done or preempted."""
+        are complete and every other trajectory is done or preempted.
+
+        Carried groups that are already complete come back first and count toward ``target_groups``; the
+        groups not returned (complete beyond the quota, or with preempted members) stay in :attr:`carry`."""
         self._graph, self._t0 = RolloutGraph(), self.clock()
         self._target = target_groups
         self._max_context = (await self.engine.info()).max_context
@@ -142,7 +159,8 @@ class RolloutExecutor:
         self._prefills: dict[tuple, anyio.Event | None] = {}  # shared prefix -> its prefill (None: not shared)
         self._sharers: Counter[tuple | None] | None = None  # trajectories per prefix key; None: count again
         self._streamed, self._preempted = 0, 0
-        carried, self.carry_over = self.carry_over, []
+        self._check_ids(self._carry, specs)
+        carried, self._carry = self._carry, []
         for run in carried:
             run.carry_age += 1
             run.preempt_requested = run.suspended = False
@@ -150,10 +168,16 @@ class RolloutExecutor:
             self._graph.finish(run.last_node, self._now())
         prompts: dict[str, TokenSpan] = {}  # rendered once per distinct initial conversation (a GRPO group's)
         self._runs = carried + [self._start(spec, prompts) for spec in specs]
-        self._completion_order: list[str] = []
+        # groups already complete (carried over, or every member failed its reset) lead the completion order:
+        # returned first, counted toward the quota
+        pending = {r.traj.group_id for r in self._runs if r.stage is not Stage.DONE}
+        self._completion_order: list[str] = list(dict.fromkeys(r.traj.group_id for r in self._runs
+                                                               if r.traj.group_id not in pending))
+        self._started = [spec.trajectory_id for spec in specs]
         async with anyio.create_task_group() as self._tg:
             for run in list(self._runs):
-                self._tg.start_soon(self._drive, run)
+                if run.stage is not Stage.DONE:
+                    self._tg.start_soon(self._drive, run)
         return self._collect()
 
     def _collect(self) -> RolloutResult:
@@ -163,22 +187,48 @@ class RolloutExecutor:
         complete = [g for g in self._completion_order if all(r.stage is Stage.DONE for r in groups[g])]
         returned = complete if self._target is None else complete[: self._target]
         out = [r.traj for g in returned for r in groups[g]]
-        self.carry_over = [r for g, members in groups.items() if g not in returned for r in members]
+        returned = set(returned)
+        self._carry = [r for g, members in groups.items() if g not in returned for r in members]
         end = self._now()
         self._graph.close(end)
-        return RolloutResult(out, self._graph, end, len(self.carry_over), self._preempted, self._streamed)
+        return RolloutResult(out, self._graph, end, len(self._carry), self._preempted, self._streamed,
+                             started=tuple(self._started), carried_groups=len(groups) - len(returned),
+                             carried_age_max=max((r.carry_age for r in self._carry), default=0))
 
     def _start(self, spec: EpisodeSpec, prompts: dict[str, TokenSpan]) -> TrajectoryRun:
-        messages = self.env.reset(spec.task)
-        key = json.dumps(messages, sort_keys=True, default=repr)
-        if key not in prompts:
-            prompts[key] = TokenSpan.prompt(self.renderer.prompt(messages, self._tool_schemas))
-        prompt = prompts[key]
+        """A new trajectory with its rendered prompt. An environment whose ``reset`` (or a prompt that cannot
+        be rendered) raises fails this trajectory alone, as data: it starts done, with no tokens and an ``env``
+        error record, and its group is returned (and dropped by the trainer) like any failed group."""
+        try:
+            messages = self.env.reset(spec.task)
+            key = json.dumps(messages, sort_keys=True, default=repr)
+            if key not in prompts:
+                prompts[key] = TokenSpan.prompt(self.renderer.prompt(messages, self._tool_schemas))
+            prompt = prompts[key]
+        except Exception as exc:
+            traj = Trajectory.start(spec.trajectory_id, spec.task.id, spec.group_id, ())
+            traj.finish(Status.FAILED, ErrorRecord.from_exception("env", exc, hook="reset", task=spec.task.id))
+            run = TrajectoryRun(spec=spec, traj=traj, stage=Stage.DONE)
+            run.last_node = self._graph.add("prompt", run.id, start=self._now(), tokens=0)
+            self._graph.finish(run.last_node, self._now(), status="error", error="env")
+            return run
         traj = Trajectory.start(spec.trajectory_id, spec.task.id, spec.group_id, prompt)
         run = TrajectoryRun(spec=spec, traj=traj)
         run.last_node = self._graph.add("prompt", run.id, start=self._now(), tokens=len(prompt))
         self._graph.finish(run.last_node, self._now())
         return run
+
+    def _check_ids(self, carried: Sequence[TrajectoryRun], specs: Sequence[EpisodeSpec]) -> None:
+        """Trajectory ids are the executor's keys (and a group id is a GRPO group): reject a collision before
+        any work starts, instead of merging two trajectories or groups."""
+        ids = [r.id for r in carried] + [s.trajectory_id for s in specs]
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ConfigError(f"duplicate trajectory ids {dup[:5]} (a carried-over one, or two specs): give every "
+                              "episode its own id (episode_specs derives them from unique task ids)")
+        carried_groups = {r.traj.group_id for r in carried}
+        if clash := sorted(carried_groups & {s.group_id for s in specs}):
+            raise ConfigError(f"group ids {clash[:5]} are still in the carry-over: new specs need new group ids")
 
     def _now(self) -> float:
         return self.clock() - self._t0
@@ -517,6 +567,7 @@ class RolloutExecutor:
         for child, node in zip(children, self._graph.fork(run.last_node, [c.id for c in children], self._now())):
             child.last_node = node
             self._runs.append(child)
+            self._started.append(child.id)
             self._tg.start_soon(self._drive, child)
 
 

@@ -20,6 +20,16 @@ tool calls whose latencies vary (so policies really reorder work), observations 
   Passes when every generated token carries a version that the engine really had, versions never decrease
   along a trajectory, no token was lost, and the correction is active (``correction != "none"`` or a
   staleness bound is set). ``statistic`` = share of tokens with lag ≥ 1.
+* **Conservation** (``conservation``, every policy: over-provisioning can be combined with any of them):
+  ``conservation_steps`` rollout calls as the trainer makes them — a quota of ``conservation_tasks`` groups,
+  ``conservation_extra_groups`` more started, new groups only where the carry-over leaves room — on the
+  long-tail workload. Passes when (1) conservation is exact: every started trajectory was returned exactly
+  once or is in the final carry-over; (2) the carry-over stays bounded (≤ the extra groups, age ≤ 2 calls);
+  and (3) what the trainer receives has the distribution of what the policy sampled, and of ``sync`` without
+  over-provisioning on the same seeds: Mann-Whitney U and KS tests on response length, turns and reward, each
+  p > ``alpha``. With 256 trajectories a side and α = 0.01, Mann-Whitney detects a shift of 0.3 standard
+  deviations with power ≈ 0.8; keeping the fastest half of each step (the bug this check was written for)
+  shifts length by far more. ``statistic`` = the largest KS distance to the ``sync`` baseline.
 * **e2e** (``e2e``, opt-in: ``validate(..., e2e=True)``, ``rollopt validate --e2e``; ~10 s per policy): a short
   training run (``e2e_steps`` GRPO steps on the synthetic environment, the tiny model, invariant prefill) with
   the policy as the rollout scheduler — in ``sync`` loop mode, or ``async`` with ``max_staleness`` 1 for R3
@@ -50,9 +60,9 @@ from rollopt.schedulers import Policy, RiskClass, build_scheduler
 from rollopt.trajectory import Trajectory
 
 CHECKS_BY_RISK: dict[RiskClass, tuple[str, ...]] = {
-    RiskClass.R1: ("token-parity", "distribution"),
-    RiskClass.R2: ("distribution",),
-    RiskClass.R3: ("off-policy",),
+    RiskClass.R1: ("token-parity", "distribution", "conservation"),
+    RiskClass.R2: ("distribution", "conservation"),
+    RiskClass.R3: ("off-policy", "conservation"),
 }
 
 
@@ -83,6 +93,10 @@ class ValidationConfig:
     offpolicy_tasks: int = 6
     offpolicy_extra_groups: int = 2
     group_size_offpolicy: int = 4
+    conservation_steps: int = 16
+    conservation_tasks: int = 4  # the quota: groups returned per call
+    conservation_extra_groups: int = 4  # over-provisioned groups per call
+    conservation_group: int = 4  # 16 × 4 × 4 = 256 trajectories trained
     alpha: float = 0.01
     logprob_tol: float = 1e-5
     seed: int = 0
@@ -239,7 +253,7 @@ async def check_off_policy(h: Harness, spec: str | Policy, correction: str = "ti
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator) * 0.02)
             await engine.update_weights({k: v.clone() for k, v in model.state_dict().items()})
-        lost = executor.carry_over
+        lost = executor.carry
     all_lags = np.concatenate(lags) if lags else np.zeros(0)
     hist = {int(k): float(c) / max(len(all_lags), 1) for k, c in zip(*np.unique(all_lags, return_counts=True))}
     stale_frac = float((all_lags >= 1).mean()) if len(all_lags) else 0.0
@@ -249,6 +263,64 @@ async def check_off_policy(h: Harness, spec: str | Policy, correction: str = "ti
                        {"staleness_histogram": hist, "mismatch_k3": mismatch, "correction": off.correction,
                         "max_staleness": off.max_staleness, "correction_acted_on_tokens": acted,
                         "bad_version_trajectories": broken[:5], "still_carried_over": len(lost)})
+
+
+async def _conservation_run(h: Harness, policy: Policy | str, extra_groups: int) -> dict[str, Any]:
+    """The check's rollout calls (see the module docstring): started ids, returned trajectories (in order), the
+    final carry-over, and the largest carry-over seen."""
+    cfg = h.cfg
+    env = _env(cfg, long_tail=True)
+    started: list[str] = []
+    returned: list[Trajectory] = []
+    worst_groups = worst_age = 0
+    async with h.engine() as engine:
+        executor = RolloutExecutor(env, engine, h.renderer, policy)
+        for step in range(cfg.conservation_steps):
+            seed = cfg.seed + 1000 + step
+            tasks = env.tasks(cfg.conservation_tasks + extra_groups, seed)
+            specs = episode_specs(tasks[: len(tasks) - executor.carried_groups], cfg.conservation_group,
+                                  SamplingParams(max_new_tokens=64, temperature=1.0), seed)
+            result = await executor.run(specs, target_groups=cfg.conservation_tasks)
+            started += result.started
+            returned += result.trajectories
+            worst_groups = max(worst_groups, result.carried_groups)
+            worst_age = max(worst_age, result.carried_age_max)
+        carry = executor.carry
+    return {"started": started, "returned": returned, "carry": carry, "worst_groups": worst_groups,
+            "worst_age": worst_age}
+
+
+async def check_conservation(h: Harness, spec: str | Policy, baseline: Sequence[Trajectory] | None = None) -> CheckResult:
+    """See the module docstring (conservation); ``baseline``: what ``sync`` without over-provisioning returns."""
+    policy = _policy(spec)
+    cfg = h.cfg
+    if baseline is None:
+        baseline = (await _conservation_run(h, "sync", extra_groups=0))["returned"]
+    run = await _conservation_run(h, policy, cfg.conservation_extra_groups)
+    counts: dict[str, int] = {}
+    for t in run["returned"]:
+        counts[t.id] = counts.get(t.id, 0) + 1
+    carried = {t.id for t in run["carry"]}
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    unaccounted = sorted(set(run["started"]) - set(counts) - carried)
+    exact = not twice and not unaccounted and not (carried & set(counts))
+    bounded = run["worst_groups"] <= cfg.conservation_extra_groups and run["worst_age"] <= 2
+    sampled = run["returned"] + [t.trajectory for t in run["carry"] if t.done]
+    trained = _traj_stats(run["returned"])
+    tests = {}
+    for name, other in (("vs_sampled", _traj_stats(sampled)), ("vs_sync", _traj_stats(baseline))):
+        tests[name] = {m: _two_sample(trained[m], other[m]) for m in ("response_length", "turns", "reward")}
+    p = min(min(t["ks_p"], t["mw_p"]) for side in tests.values() for t in side.values())
+    effect = max(t["ks"] for t in tests["vs_sync"].values())
+    n = min(len(run["returned"]), len(baseline))
+    passed = exact and bounded and p > cfg.alpha and n >= 256
+    return CheckResult(policy.name, _risk(policy), "conservation", passed, effect, p, n,
+                       {"started": len(run["started"]), "returned": sum(counts.values()), "carried": len(carried),
+                        "returned_twice": twice[:5], "unaccounted": unaccounted[:5],
+                        "carried_groups_max": run["worst_groups"], "carried_age_max": run["worst_age"],
+                        "tests": tests, "alpha": cfg.alpha,
+                        "response_length_mean": {"trained": float(trained["response_length"].mean()),
+                                                 "sync": float(_traj_stats(baseline)["response_length"].mean())}})
 
 
 E2E_RECIPE = ("environment.name=synthetic", "environment.options.turns=[2, 3]",
@@ -304,7 +376,7 @@ def _risk(policy: Policy) -> str | None:
 
 
 CHECKS: dict[str, Callable[..., Any]] = {"token-parity": check_token_parity, "distribution": check_distribution,
-                                         "off-policy": check_off_policy}
+                                         "off-policy": check_off_policy, "conservation": check_conservation}
 
 
 async def validate(specs: Sequence[str | Policy], cfg: ValidationConfig | None = None,
@@ -332,6 +404,10 @@ async def validate(specs: Sequence[str | Policy], cfg: ValidationConfig | None =
                     if check not in baselines:
                         baselines[check] = await h.rollout("sync", c.distribution_tasks, c.distribution_group, 1.0)
                     results.append(await check_distribution(h, policy, baselines[check]))
+                elif check == "conservation":
+                    if check not in baselines:
+                        baselines[check] = (await _conservation_run(h, "sync", extra_groups=0))["returned"]
+                    results.append(await check_conservation(h, policy, baselines[check]))
                 else:
                     results.append(await check_off_policy(h, policy))
             if e2e:

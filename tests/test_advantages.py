@@ -19,10 +19,11 @@ def test_hand_computed_examples():
     # mean 0.5, unbiased std sqrt(1/3)
     adv = compute_advantages(trajs, "grpo")
     np.testing.assert_allclose(adv[:4], np.array([0.5, -0.5, -0.5, 0.5]) / (np.sqrt(1 / 3) + 1e-6))
-    assert adv[4] == 0.0
-    np.testing.assert_allclose(compute_advantages(trajs, "dr_grpo"), [0.5, -0.5, -0.5, 0.5, 0.0])
+    # a group of one: mean 0, std 1, as in verl
+    assert adv[4] == pytest.approx(2.0 / (1 + 1e-6))
+    np.testing.assert_allclose(compute_advantages(trajs, "dr_grpo"), [0.5, -0.5, -0.5, 0.5, 2.0])
     # RLOO: r_i minus the mean of the others: 1 - 1/3, 0 - 2/3
-    np.testing.assert_allclose(compute_advantages(trajs, "rloo"), [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0])
+    np.testing.assert_allclose(compute_advantages(trajs, "rloo"), [2 / 3, -2 / 3, -2 / 3, 2 / 3, 2.0])
 
 
 def test_constant_group_gives_zero_not_nan():

@@ -69,8 +69,9 @@ def test_aggregation_is_invariant_to_micro_batching(mode):
     g = torch.Generator().manual_seed(0)
     loss = torch.randn(6, 5, generator=g)
     mask = torch.rand(6, 5, generator=g) > 0.3
+    mask[3] = False  # a row with no token left: not counted by seq-mean (as in verl)
     full = aggregate_loss(loss, mask, mode)
-    n_tok, n_seq = int(mask.sum()), 6
+    n_tok, n_seq = int(mask.sum()), int(mask.any(-1).sum())
     parts = sum(aggregate_loss(loss[i:i + 2], mask[i:i + 2], mode, n_tok, n_seq) for i in range(0, 6, 2))
     assert parts.item() == pytest.approx(full.item(), abs=1e-6)
     with pytest.raises(ValueError, match="unknown loss_agg"):

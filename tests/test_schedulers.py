@@ -250,9 +250,9 @@ async def test_preempt_carries_stragglers_over_and_loses_no_token(tokenizer, pea
         executor = RolloutExecutor(env, engine, renderer, build_scheduler("overlap+preempt", max_carry_age=1))
         batches = [await executor.run(specs, target_groups=3)]
         streamed = batches[0].tokens_streamed
-        first_carried = {r.id: r.traj.num_generated for r in executor.carry_over}
+        first_carried = {r.id: r.trajectory.num_generated for r in executor.carry}
         update_version = await engine.update_weights(peaked_model.state_dict())
-        while executor.carry_over:
+        while executor.carry:
             batches.append(await executor.run([], target_groups=None))
             streamed += batches[-1].tokens_streamed
             assert len(batches) <= 3, "a carried-over trajectory starved"

@@ -448,7 +448,7 @@ async def test_schedulers_on_the_real_server(sglang_server, tiny_dir):
         executor = RolloutExecutor(long_env, eng, renderer, "overlap+preempt")
         first = await executor.run(episode_specs(long_env.tasks(4, 3), 2, SamplingParams(temperature=0), seed=0),
                                    target_groups=2)
-        carried = {r.id for r in executor.carry_over}
+        carried = {r.id for r in executor.carry}
         second = await executor.run([])
     local = LocalEngine.from_pretrained(tiny_dir, LocalEngineConfig(max_running=8, max_context=1024))
     async with local:

@@ -2,9 +2,13 @@
 
 For a group of G samples of one prompt with rewards r_1..r_G:
 
-* ``grpo``:    A_i = (r_i − mean(r)) / (std(r) + 1e-6), with the unbiased (n − 1) std; a group of one gets 0;
+* ``grpo``:    A_i = (r_i − mean(r)) / (std(r) + 1e-6), with the unbiased (n − 1) std;
 * ``dr_grpo``: A_i = r_i − mean(r) (Dr. GRPO drops the std, which biases toward easy/hard prompts);
-* ``rloo``:    A_i = r_i − mean(r_{j≠i}) = G/(G−1) · (r_i − mean(r)) (leave-one-out baseline); G = 1 gives 0.
+* ``rloo``:    A_i = r_i − mean(r_{j≠i}) = G/(G−1) · (r_i − mean(r)) (leave-one-out baseline).
+
+A group of one (G = 1: its siblings were filtered out or are still running) has no baseline; as in verl
+(``compute_*_outcome_advantage``) it is taken as mean 0 and std 1, so ``grpo`` gives r / (1 + 1e-6) and
+``dr_grpo`` and ``rloo`` give r.
 
 A missing reward (``None``) is refused: a failed trajectory must be scored (or filtered) explicitly, never
 silently counted as 0.
@@ -25,18 +29,20 @@ EPS = 1e-6
 
 def grpo(rewards: np.ndarray) -> np.ndarray:
     if len(rewards) < 2:
-        return np.zeros_like(rewards)
+        return rewards / (1.0 + EPS)  # verl: mean 0, std 1
     return (rewards - rewards.mean()) / (rewards.std(ddof=1) + EPS)
 
 
 def dr_grpo(rewards: np.ndarray) -> np.ndarray:
+    if len(rewards) < 2:
+        return rewards.copy()  # verl: mean 0
     return rewards - rewards.mean()
 
 
 def rloo(rewards: np.ndarray) -> np.ndarray:
     g = len(rewards)
     if g < 2:
-        return np.zeros_like(rewards)
+        return rewards.copy()  # verl: no leave-one-out baseline, mean 0
     return g / (g - 1) * (rewards - rewards.mean())
 
 

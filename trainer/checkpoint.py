@@ -5,8 +5,8 @@ A checkpoint directory holds
 * ``model.safetensors``: the trainer's weights (HF parameter names; also what the engine is synced with);
 * ``optimizer.pt``: the optimizer state (AdamW moments and step counts);
 * ``state.pt``: the step just completed, the policy version, the Python/NumPy/torch RNG states, and the
-  rollout carry-over buffer (preempted trajectories with every token they had) taken at the end of the
-  rollout that fed this step;
+  rollout carry-over (:class:`rollopt.episodes.CarryOver`: complete groups beyond the quota and preempted
+  trajectories with every token they had) taken at the end of the rollout that fed this step;
 * ``DONE``: written last. A directory without it (the process died while writing) is ignored.
 
 :func:`save_checkpoint` writes into a temporary sibling and renames it into place, so ``latest`` always names
@@ -26,12 +26,15 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rollopt.episodes import CarryOver
+from rollopt.errors import ConfigError
+
 
 @dataclass
 class TrainState:
     step: int  # the last completed step (0 before the first)
     version: int  # the policy version after that step's update
-    carry_over: list[Any] = field(default_factory=list)  # rollopt.executor.TrajectoryRun snapshots
+    carry_over: CarryOver = field(default_factory=CarryOver)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,6 +90,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     model.load_state_dict(load_file(path / "model.safetensors"))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     payload = torch.load(path / "state.pt", weights_only=False)
+    carry = pickle.loads(payload["carry_over"])
+    if not isinstance(carry, CarryOver):
+        raise ConfigError(f"{path} stores its carry-over in the format of an older rollopt (a list of executor "
+                          "internals): resume it with that version, or start the run afresh")
     _set_rng_state(payload["rng"])
-    return TrainState(step=payload["step"], version=payload["version"],
-                      carry_over=pickle.loads(payload["carry_over"]), extra=payload["extra"])
+    return TrainState(step=payload["step"], version=payload["version"], carry_over=carry, extra=payload["extra"])

@@ -10,10 +10,11 @@ How the equality holds (:func:`rollopt.trainer.update.policy_update` with ``data
   minibatch's rows ``[lo, hi)`` are split into ``world_size`` contiguous slices and rank ``r`` keeps slice ``r``
   (:meth:`DataParallel.shard`), still padded to the whole batch's width, so a row is scored exactly as alone;
 * loss denominators are global (:mod:`rollopt.trainer.losses`): ``token-mean`` divides by the minibatch's token
-  count summed over ranks, ``seq-mean-*`` by its row count ``hi - lo``, so a rank's loss is its rows' part of
-  the one-process loss; the gradients are therefore *summed* over ranks (one all-reduce per optimizer step,
-  after the micro-batches, before clipping), and every rank clips the same global gradient and takes the same
-  step. A parameter that got no gradient on any rank keeps ``grad = None``, as in one process.
+  count summed over ranks, ``seq-mean-*`` by its count of rows that still have a token, summed over ranks, so
+  a rank's loss is its rows' part of the one-process loss; the gradients are therefore *summed* over ranks
+  (one all-reduce per optimizer step, after the micro-batches, before clipping), and every rank clips the same
+  global gradient and takes the same step. A parameter that got no gradient on any rank keeps ``grad = None``,
+  as in one process.
 * the reported loss, clip fractions, entropy, ``ppo_kl`` and ``train_tokens`` are reduced over ranks as well;
   the mismatch and importance-weight metrics describe this rank's rows.
 

@@ -17,6 +17,16 @@ Failure policy: a trajectory that *failed* (engine or environment error, no rewa
 of the update (counted in ``dropped_groups``); the rest of the batch trains. Truncated episodes were scored
 by the environment like any other.
 
+Conservation (DESIGN invariant 5), logged per step: ``started`` (trajectories the step's rollout started),
+``returned`` (what it handed the trainer: carried complete groups first, then the groups that finished
+first), ``trained``, ``dropped/failed_group`` (members of a group with a failed trajectory),
+``dropped/staleness`` (trajectories whose every token lagged past ``off_policy.max_staleness`` under
+``stale = "drop"``), ``carried`` / ``carried_groups`` / ``carried_age_max`` (the executor's carry-over after
+the rollout) and, at the last step, ``dropped/shutdown`` (what the run leaves carried: never trained). Over a
+run, Σ started = Σ trained + Σ dropped/*, and at every step Σ started = Σ returned + carried. Each step adds
+``tasks_per_step + extra_groups − carried groups`` new groups, so the carry-over never grows past
+``extra_groups`` groups; a resumed run restores it from the checkpoint and keeps conserving.
+
 Outputs in ``out_dir``: ``metrics.jsonl`` (one line per step, with the rollout's ``timeline/*`` phase times
 and the ``attribution/*`` mismatch split of :mod:`rollopt.trainer.attribution`), ``traces/step-NNNN.trace.json``
 (each step's rollout as a Perfetto trace, :mod:`rollopt.timeline`), ``recipe.toml`` (as resolved),
@@ -28,11 +38,10 @@ engine, restored RNG and optimizer).
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,7 +51,8 @@ import torch
 from rollopt.chat import ChatRenderer
 from rollopt.engines.base import Engine, SamplingParams
 from rollopt.environments import build_environment
-from rollopt.executor import EpisodeSpec, RolloutExecutor, TrajectoryRun, episode_specs
+from rollopt.episodes import CarryOver, EpisodeSpec, episode_specs
+from rollopt.executor import RolloutExecutor
 from rollopt.timeline import timeline_totals, write_trace
 from rollopt.trajectory import Status, Trajectory
 from rollopt.trainer.attribution import WeightHistory, attribute_mismatch
@@ -62,16 +72,16 @@ class RolloutBatch:
     trajectories: list[Trajectory]
     rollout_s: float
     preempted: int
-    carried_over: int
-    carry_snapshot: list[TrajectoryRun] = field(default_factory=list)  # the buffer right after this rollout
+    started: int  # trajectories this rollout started
+    carry: CarryOver = field(default_factory=CarryOver)  # the executor's buffer right after this rollout
     timeline: dict[str, float] = field(default_factory=dict)  # rollopt.timeline.timeline_totals of the rollout
 
 
-def snapshot_carry_over(runs: list[TrajectoryRun]) -> list[TrajectoryRun]:
-    """Picklable deep copies of carried-over trajectories (no live cancel scopes or tool slots: a suspended
-    trajectory has none)."""
-    return [replace(r, traj=copy.deepcopy(r.traj), pending=copy.deepcopy(r.pending), tool_scopes=[],
-                    early_tools={}, rid=None) for r in runs]
+def fully_stale(traj: Trajectory, current_version: int, off_policy) -> bool:
+    """Whether the staleness bound drops every generated token of ``traj`` (so it trains on nothing)."""
+    if off_policy.max_staleness is None or off_policy.stale != "drop" or traj.num_generated == 0:
+        return False
+    return bool((current_version - traj.versions[traj.loss_mask]).min() > off_policy.max_staleness)
 
 
 def build_trainable(recipe: Recipe):
@@ -151,19 +161,22 @@ class Trainer:
         self.metrics_path.write_text("".join(line + "\n" for line in keep))
 
     # ------------------------------------------------------------------------------------------ rollout
-    def specs_for_step(self, step: int) -> list[EpisodeSpec]:
+    def specs_for_step(self, step: int, carried_groups: int = 0) -> list[EpisodeSpec]:
+        """The step's new episodes: ``tasks_per_step + extra_groups − carried_groups`` groups (none while the
+        carry-over already holds that many), the first of the step's seeded task list."""
         r, seed = self.recipe.rollout, self.recipe.loop.seed
         tasks = self.env.tasks(r.tasks_per_step + r.extra_groups, seed * 1_000_003 + step)
+        tasks = tasks[: max(0, len(tasks) - carried_groups)]
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
         return episode_specs(tasks, r.group_size, sampling, seed * 1_000_003 + step)
 
     async def rollout(self, executor: RolloutExecutor, step: int) -> RolloutBatch:
         started = time.perf_counter()
-        result = await executor.run(self.specs_for_step(step), target_groups=self.recipe.rollout.tasks_per_step)
+        specs = self.specs_for_step(step, executor.carried_groups)
+        result = await executor.run(specs, target_groups=self.recipe.rollout.tasks_per_step)
         write_trace(result.graph, self.out_dir / "traces" / f"step-{step:04d}.trace.json")
         return RolloutBatch(step, result.trajectories, time.perf_counter() - started, result.preempted,
-                            result.carried_over, snapshot_carry_over(executor.carry_over),
-                            timeline_totals(result.graph))
+                            len(result.started), executor.carry, timeline_totals(result.graph))
 
     async def evaluate(self, engine: Engine) -> float:
         """Greedy reward on ``rollout.eval_tasks`` held-out tasks (a seed no training step uses)."""
@@ -178,12 +191,20 @@ class Trainer:
         bad_groups = {t.group_id for t in trajectories if t.status is Status.FAILED or t.reward is None}
         return [t for t in trajectories if t.group_id not in bad_groups], len(bad_groups)
 
+    def _accounting(self, batch: RolloutBatch, trainable: list[Trajectory]) -> dict[str, int]:
+        """The step's conservation counts (see the module docstring)."""
+        stale = sum(fully_stale(t, self.state.version, self.recipe.off_policy) for t in trainable)
+        last = batch.step == self.recipe.loop.steps
+        return {"started": batch.started, "returned": len(batch.trajectories), "trained": len(trainable) - stale,
+                "dropped/failed_group": len(batch.trajectories) - len(trainable), "dropped/staleness": stale,
+                "dropped/shutdown": len(batch.carry) if last else 0, "carried": len(batch.carry),
+                "carried_groups": len(batch.carry.groups), "carried_age_max": batch.carry.age_max}
+
     async def train_step(self, engine: Engine, batch: RolloutBatch, step_started: float) -> dict[str, Any]:
         trajs, dropped = self._trainable(batch.trajectories)
         metrics: dict[str, Any] = {"step": batch.step, **rollout_metrics(batch.trajectories),
-                                   "dropped_groups": dropped, "preempted": batch.preempted,
-                                   "carried_over": batch.carried_over, "rollout_s": batch.rollout_s,
-                                   **batch.timeline}
+                                   **self._accounting(batch, trajs), "dropped_groups": dropped,
+                                   "preempted": batch.preempted, "rollout_s": batch.rollout_s, **batch.timeline}
         t0 = time.perf_counter()
         if trajs:
             a = self.recipe.algorithm
@@ -215,7 +236,7 @@ class Trainer:
             f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
                                 for k, v in metrics.items()}) + "\n")
         if batch.step % self.recipe.loop.checkpoint_every == 0 or batch.step == self.recipe.loop.steps:
-            self.state.carry_over = batch.carry_snapshot
+            self.state.carry_over = batch.carry
             await anyio.to_thread.run_sync(save_checkpoint, self.out_dir / "checkpoints", self.model,
                                            self.optimizer, self.state)
         self.log(metrics)
@@ -229,14 +250,15 @@ class Trainer:
             await engine.update_weights(engine_weights(self.model), version=self.state.version)
         self.weights.record(self.state.version, engine_weights(self.model))  # what the engine holds now
         executor = RolloutExecutor(self.env, engine, self.renderer, recipe.rollout.scheduler)
-        executor.carry_over = snapshot_carry_over(self.state.carry_over)
+        executor.restore_carry(self.state.carry_over)
         first, last = self.state.step + 1, recipe.loop.steps
         if first > last:
             return out
         if recipe.max_ahead == 0:
             for step in range(first, last + 1):
                 started = time.perf_counter()
-                out.append(await self.train_step(engine, await self.rollout(executor, step), started))
+                batch = await self.rollout(executor, step)
+                out.append(await self.train_step(engine, batch, started))
             return out
         send, receive = anyio.create_memory_object_stream[RolloutBatch](recipe.max_ahead - 1)
 

@@ -16,11 +16,15 @@ PPO clip with dual clip (Ye et al. 2020), with r_t = exp(clamp(log π_θ − log
                 clipped_t                   otherwise     advantage when r_t explodes)
     loss_t   *= w_t
 
-Aggregation (``loss_agg``; M = the token mask, S = sequences, |·| counts over the *whole* step batch):
+Aggregation (``loss_agg``; M = the token mask, S = the sequences with at least one masked-in token, |·|
+counts over the *whole* step batch):
 
 * ``token-mean``:          Σ_{s,t} M·loss / Σ M                      (every token weighs the same)
 * ``seq-mean-token-sum``:  Σ_s (Σ_t M·loss) / |S|                    (Dr. GRPO's; long answers weigh more)
 * ``seq-mean-token-mean``: Σ_s (Σ_t M·loss / Σ_t M) / |S|            (the original GRPO)
+
+A row left with no token (e.g. every token dropped by the staleness bound) is not in S, as in verl's
+``agg_loss``: it would add nothing to the sum but still dilute the mean, by a varying amount from step to step.
 
 Micro-batch invariance: the denominators are counts over the whole batch (``num_tokens``, ``num_seqs``), not
 over the micro-batch, so summing the micro-batch losses (and their gradients) gives exactly the full-batch
@@ -83,13 +87,14 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 def aggregate_loss(loss_per_token: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: int | None = None,
                    num_seqs: int | None = None) -> torch.Tensor:
     """Reduce ``[B, T]`` per-token losses to a scalar (see the module docstring). ``num_tokens`` / ``num_seqs``
-    are the whole step batch's counts (default: this batch's own), which makes micro-batches add up."""
+    are the whole step batch's counts of masked-in tokens and of rows with at least one (default: this batch's
+    own), which makes micro-batches add up."""
     mask = mask.bool()
     masked = torch.where(mask, loss_per_token, torch.zeros_like(loss_per_token))
     if mode == "token-mean":
         total = num_tokens if num_tokens is not None else int(mask.sum())
         return masked.sum() / max(total, 1)
-    seqs = num_seqs if num_seqs is not None else loss_per_token.shape[0]
+    seqs = num_seqs if num_seqs is not None else int(mask.any(-1).sum())
     if mode == "seq-mean-token-sum":
         return masked.sum() / max(seqs, 1)
     if mode == "seq-mean-token-mean":

@@ -17,11 +17,16 @@ correction old policy     weight w_t
 none       π_prox         1 (ignores the mismatch; what a synchronous trainer does)
 behavior   μ              1 (ratio against the behavior policy; clipping alone bounds the off-policy step)
 tis        π_prox         min(ρ_t, C): truncated importance sampling, token level (C = ``is_cap``, 2)
-tis-seq    π_prox         min(Π_t ρ_t, C) for every token of the sequence: sequence-level truncated IS
+tis-seq    π_prox         min(Π_t ρ_t, C) for every token of the sequence, the product over its kept tokens
+                          (not those the staleness bound drops): sequence-level truncated IS
 mis        π_prox         ρ_t if ``mis_low`` ≤ ρ_t ≤ ``mis_high`` else 0: masked IS (IcePop-style bounds)
-decoupled  π_prox         ρ_t, capped at C when ``is_cap`` is set: decoupled PPO (AReaL), where clipping is
-                          around the proximal policy and ρ corrects the sampling distribution
+decoupled  π_prox         ρ_t, and 0 where ρ_t > C when ``is_cap`` is set: decoupled PPO (AReaL), where
+                          clipping is around the proximal policy and ρ corrects the sampling distribution;
+                          the cap *masks* (AReaL's ``behav_imp_weight_cap``), unlike ``tis``, which truncates
 ========== ============= ================================================================================
+
+A weight of 0 (``mis`` outside its bounds, ``decoupled`` above the cap) removes a token's gradient but not the
+token from the mask: it still counts in the loss denominators, as in AReaL, and in ``is_clipped_frac``.
 
 Staleness bound (any correction): lag_t = ``current_version`` − ``versions[t]``. A token with
 lag_t > ``max_staleness`` is dropped from the mask (``stale="drop"``) or has its weight multiplied by
@@ -48,7 +53,7 @@ class OffPolicyConfig:
     """How to correct for the engine↔trainer gap; see the module docstring."""
 
     correction: str = "tis"
-    is_cap: float | None = 2.0
+    is_cap: float | None = 2.0  # C: tis/tis-seq truncate at it, decoupled zeroes tokens above it (None: no cap)
     mis_low: float = 0.5
     mis_high: float = 2.0
     max_staleness: int | None = None
@@ -102,6 +107,15 @@ def correct(behavior_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor | N
     log_rho = (proximal - behavior).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rho = torch.exp(log_rho)
     ones = torch.ones_like(rho)
+    lag = current_version - versions
+    kept, dropped, decay = mask, 0, ones
+    if config.max_staleness is not None:
+        over = (lag > config.max_staleness) & mask
+        if config.stale == "drop":
+            kept, dropped = mask & ~over, int(over.sum())
+        else:
+            excess = (lag - config.max_staleness).clamp(min=0).to(rho.dtype)
+            decay = torch.where(over, config.stale_decay ** excess, ones)
     truncated = torch.zeros_like(mask)
     kind = config.correction
     if kind in ("none", "behavior"):
@@ -110,7 +124,7 @@ def correct(behavior_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor | N
         weights = rho.clamp(max=config.is_cap)
         truncated = rho > config.is_cap
     elif kind == "tis-seq":
-        seq_rho = torch.exp(torch.where(mask, log_rho, zero).sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        seq_rho = torch.exp(torch.where(kept, log_rho, zero).sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         weights = seq_rho.clamp(max=config.is_cap)[:, None].expand_as(rho)
         truncated = (seq_rho > config.is_cap)[:, None].expand_as(mask)
     elif kind == "mis":
@@ -118,18 +132,10 @@ def correct(behavior_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor | N
         weights = torch.where(inside, rho, zero)
         truncated = ~inside
     else:  # decoupled
-        weights = rho if config.is_cap is None else rho.clamp(max=config.is_cap)
-        truncated = rho > config.is_cap if config.is_cap is not None else truncated
-    lag = current_version - versions
-    kept, dropped = mask, 0
-    if config.max_staleness is not None:
-        over = (lag > config.max_staleness) & mask
-        if config.stale == "drop":
-            kept, dropped = mask & ~over, int(over.sum())
-        else:
-            excess = (lag - config.max_staleness).clamp(min=0).to(weights.dtype)
-            weights = weights * torch.where(over, config.stale_decay ** excess, ones)
-    weights = torch.where(kept, weights, zero).detach()
+        if config.is_cap is not None:
+            truncated = rho > config.is_cap
+        weights = torch.where(truncated, zero, rho)
+    weights = torch.where(kept, weights * decay, zero).detach()
     n = max(int(kept.sum()), 1)
     return Correction(
         old_logprobs=(behavior if kind == "behavior" else proximal).detach(),

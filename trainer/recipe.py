@@ -54,7 +54,7 @@ class RolloutSection:
     group_size: int = 8
     extra_groups: int = 0  # over-provisioned groups; with a preempting scheduler, stragglers carry over
     max_new_tokens: int = 64  # per turn
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature of training rollouts: > 0 (0 is greedy, for evaluation only)
     max_running: int = 64
     invariant_prefill: bool = False  # local engine: bit-exact KV however computed (slower prefill; see engines.local)
     sglang_device: str = "cpu"  # engine = "sglang": the server's --device ("cuda" on a GPU machine)
@@ -67,8 +67,8 @@ class RolloutSection:
 class AlgorithmSection:
     advantage: str = "grpo"
     loss_agg: str = "token-mean"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+    eps_low: float = 0.2  # PPO ratio clip range [1 − eps_low, 1 + eps_high]; the default is asymmetric,
+    eps_high: float = 0.28  # DAPO's clip-higher; eps_high = 0.2 gives the symmetric PPO/GRPO clip
     dual_clip_c: float | None = 3.0
     lr: float = 1e-3
     lr_warmup_steps: int = 0  # linear warm-up of the learning rate over this many training steps
@@ -119,6 +119,13 @@ class Recipe:
         if (self.rollout.engine == "servers") != bool(self.rollout.servers):
             raise ConfigError("rollout.engine = 'servers' goes with rollout.servers = [\"http://host:port\", ...] "
                               "(running SGLang servers), and rollout.servers only with it")
+        if self.loop.mode == "sync" and self.rollout.extra_groups > 0:
+            raise ConfigError(f"rollout.extra_groups = {self.rollout.extra_groups} with loop.mode = 'sync': groups "
+                              "finished beyond the quota are trained a step later, off-policy; set "
+                              "rollout.extra_groups = 0 for on-policy sync, or loop.mode = 'async'")
+        if not self.rollout.temperature > 0:
+            raise ConfigError(f"rollout.temperature = {self.rollout.temperature}: training rollouts need a temperature "
+                              "> 0 (greedy is for evaluation: rollout.eval_tasks); use e.g. rollout.temperature = 1.0")
         if self.rollout.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need two samples")
         for name, value in [("loop.steps", self.loop.steps), ("rollout.tasks_per_step", self.rollout.tasks_per_step),

@@ -9,10 +9,13 @@ Order of operations (all on the trainer's weights at version ``current_version``
 3. the correction (:func:`rollopt.trainer.offpolicy.correct`): the ratio's ``old`` logprobs, token weights,
    and the staleness-bounded mask;
 4. ``minibatches`` optimizer steps, each over its share of rows, accumulated over ``micro_batch``-row
-   forwards whose losses use the minibatch's token/sequence counts (so the split does not change the loss).
+   forwards whose losses use the minibatch's counts of tokens and of rows that still have a token (so the
+   split does not change the loss).
 
-At the first minibatch the weights are still the proximal ones, so ``ppo_kl`` (approx KL of π_old‖π_θ) is
-exactly 0 and ``clip_frac`` 0: the on-policy sanity check.
+``ppo_kl`` (k1 approx KL of π_old‖π_θ, mean of old − new) and the clip fractions are token-weighted means over
+every micro-batch of every minibatch, as verl reports the mean of its per-micro-batch values. The first
+minibatch still trains the proximal weights, where both are 0; so with ``minibatches=1`` they are exactly 0
+(the on-policy sanity check), and with more they measure how far the later minibatches moved the policy.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from rollopt.trainer.scoring import score
 class UpdateConfig:
     advantage: str = "grpo"
     loss_agg: str = "token-mean"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+    eps_low: float = 0.2  # the ratio is clipped to [1 − eps_low, 1 + eps_high]: asymmetric by default,
+    eps_high: float = 0.28  # DAPO's clip-higher (0.28 > 0.2); set eps_high = 0.2 for the symmetric PPO/GRPO clip
     dual_clip_c: float | None = 3.0
     grad_clip: float = 1.0
     minibatches: int = 1
@@ -81,7 +84,6 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
     advantages = token_advantages(trajectories, batch, config.advantage)
     advantage_abs_mean = float(advantages[:, 0].abs().mean())
     bounds = np.linspace(0, batch.input_ids.shape[0], config.minibatches + 1).round().astype(int)
-    minibatch_rows = np.diff(bounds)  # over the whole batch, on every rank
     batch, advantages, bounds = dp.shard(batch, advantages, bounds)
     model.eval()  # no dropout in the scored policies: π_prox and π_θ must be the same function at step 0
     with torch.no_grad():
@@ -89,15 +91,15 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
     fix = correct(batch.behavior_logprobs, proximal, batch.versions, batch.loss_mask, current_version, off_policy)
     metrics = mismatch_by_staleness(batch.behavior_logprobs, proximal, batch.versions, batch.loss_mask,
                                     current_version)
-    sums = {"loss": 0.0, "clip_frac": 0.0, "dual_clip_frac": 0.0, "entropy": 0.0}
-    first_kl, grad_norms, tokens_seen = None, [], 0
-    for lo, hi, num_seqs in zip(bounds[:-1], bounds[1:], minibatch_rows.tolist()):
+    sums = {"loss": 0.0, "clip_frac": 0.0, "dual_clip_frac": 0.0, "entropy": 0.0, "ppo_kl": 0.0}
+    grad_norms, tokens_seen = [], 0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
         mask_mb = fix.mask[lo:hi]
-        num_tokens = int(dp.sum([mask_mb.sum()])[0])  # the whole minibatch's, over every rank
+        # the whole minibatch's counts, over every rank: tokens, and rows with a token left (loss denominators)
+        num_tokens, num_seqs = (int(v) for v in dp.sum([mask_mb.sum(), mask_mb.any(-1).sum()]))
         if num_tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
-        kl_sum = 0.0
         for start in range(lo, hi, config.micro_batch):
             sl = slice(start, min(start + config.micro_batch, hi))
             logprobs, entropy = score(scorer, batch, rows=sl, with_entropy=True)
@@ -111,10 +113,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
             sums["clip_frac"] += out.clip_frac.item() * n
             sums["dual_clip_frac"] += out.dual_clip_frac.item() * n
             sums["entropy"] += torch.where(m, entropy, torch.zeros_like(entropy)).sum().detach().item()
-            kl_sum += out.approx_kl.item() * n
+            sums["ppo_kl"] += out.approx_kl.item() * n
             tokens_seen += n
-        if first_kl is None:
-            first_kl = dp.sum([kl_sum])[0] / num_tokens
         dp.reduce_gradients(model.parameters())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         grad_norms.append(float(norm))
@@ -128,7 +128,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, traj
         "clip_frac": sums["clip_frac"] / seen,
         "dual_clip_frac": sums["dual_clip_frac"] / seen,
         "entropy": sums["entropy"] / seen,
-        "ppo_kl": first_kl if first_kl is not None else math.nan,
+        "ppo_kl": sums["ppo_kl"] / tokens_seen if tokens_seen else math.nan,
         "grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
         "is_weight_mean": fix.is_weight_mean,
         "is_clipped_frac": fix.is_clipped_frac,

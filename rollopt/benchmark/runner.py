@@ -72,7 +72,7 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine: Engine, engine
                 result = await executor.run(specs, target_groups=w.tasks if preempts else None)
                 after = _engine_counters(engine)
                 delta = {k: after[k] - before[k] for k in after}
-                carried = [r.traj for r in executor.carry_over]
+                carried = [r.trajectory for r in executor.carry]
                 metrics = step_metrics(result, carried, delta, cal)
                 per_policy[name].append(metrics)
                 if run.trace_dir is not None and rep == run.repeats - 1:
