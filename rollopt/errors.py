@@ -52,7 +52,8 @@ class ErrorRecord:
     Attributes:
         kind: a stable machine-readable category, e.g. ``"tool_parse"``, ``"tool_timeout"``,
             ``"tool_crash"``, ``"unknown_tool"``, ``"bad_arguments"``, ``"engine"``, ``"env"``,
-            ``"prompt_too_long"``.
+            ``"prompt_too_long"``, ``"bad_tool_result"`` (a tool returned a value JSON cannot encode),
+            ``"tool_blocked"`` (an async tool held the event loop without awaiting).
         message: a human-readable explanation that names the problem.
         detail: optional structured context (the offending text, the exception type, ...).
     """

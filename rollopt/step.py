@@ -7,8 +7,8 @@ tool calls into observation messages, a reward and a done flag (:meth:`Environme
 Tools are **not** run inside ``step``: each call is a separate coroutine, :func:`execute_tool_call`, so a
 scheduler can start it the moment its call is complete in the decode stream, run parallel calls at once and
 give each a deadline. ``execute_tool_call`` never raises for a tool's own failure: an unknown tool, bad
-arguments, a crash or a timeout becomes a :class:`~rollopt.trajectory.ToolResult` with a typed ``error``.
-Cancellation of the caller is never swallowed.
+arguments, a crash, a timeout, a value JSON cannot encode or an async tool that blocks the event loop becomes
+a :class:`~rollopt.trajectory.ToolResult` with a typed ``error``. Cancellation of the caller is never swallowed.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import inspect
 import json
+import logging
 import re
 import time
 import types
@@ -28,6 +29,11 @@ import anyio
 from rollopt.errors import ErrorRecord, ToolFailed
 from rollopt.toolcalls import ParsedTurn
 from rollopt.trajectory import ToolCall, ToolResult
+
+logger = logging.getLogger(__name__)
+
+SLOW_STRETCH_S = 0.1
+"""An async tool that holds the event loop this long without awaiting is logged (asyncio's debug threshold)."""
 
 
 class Message(TypedDict, total=False):
@@ -133,6 +139,9 @@ class Tool:
         timeout_s: the deadline of one call.
         deterministic: the same arguments always give the same result (a scheduler may cache it).
         context_param: the parameter annotated :class:`ToolContext`, if any (not in the schema).
+        max_blocking_s: an async tool that runs longer than this (or than its deadline) without awaiting has
+            blocked the event loop, and with it every other call and decode stream: the call fails with a
+            ``tool_blocked`` record. A sync tool runs in a worker thread and cannot block the loop.
     """
 
     fn: Callable[..., Any]
@@ -142,6 +151,7 @@ class Tool:
     timeout_s: float = 30.0
     deterministic: bool = False
     context_param: str | None = None
+    max_blocking_s: float = 1.0
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -151,7 +161,7 @@ class Tool:
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, timeout_s: float = 30.0,
-                      deterministic: bool = False) -> "Tool":
+                      deterministic: bool = False, max_blocking_s: float = 1.0) -> "Tool":
         hints = typing.get_type_hints(fn)
         description, arg_docs = _docstring_parts(fn.__doc__ or "")
         properties: dict[str, Any] = {}
@@ -175,7 +185,8 @@ class Tool:
             raise TypeError(f"tool {fn.__name__}: give it a docstring; the model reads it as the tool's description")
         parameters = {"type": "object", "properties": properties, "required": required}
         return cls(fn=fn, name=name or fn.__name__, description=description, parameters=parameters,
-                   timeout_s=timeout_s, deterministic=deterministic, context_param=context_param)
+                   timeout_s=timeout_s, deterministic=deterministic, context_param=context_param,
+                   max_blocking_s=max_blocking_s)
 
     def validate_arguments(self, arguments: dict[str, Any]) -> ErrorRecord | None:
         """Check arguments against the schema; return a ``bad_arguments`` record naming the problem."""
@@ -196,32 +207,105 @@ class Tool:
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeout_s: float = 30.0,
-         deterministic: bool = False) -> Any:
+         deterministic: bool = False, max_blocking_s: float = 1.0) -> Any:
     """Decorator: ``@tool`` or ``@tool(timeout_s=5, deterministic=True)`` turns a typed function into a Tool."""
     def wrap(f: Callable[..., Any]) -> Tool:
-        return Tool.from_function(f, name=name, timeout_s=timeout_s, deterministic=deterministic)
+        return Tool.from_function(f, name=name, timeout_s=timeout_s, deterministic=deterministic,
+                                  max_blocking_s=max_blocking_s)
     return wrap(fn) if fn is not None else wrap
 
 
-def _render_result(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+_RESULT_HINT = "return JSON-serialisable values: str, int, float, bool, None, list, dict"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_text(text: str) -> str:
+    """``text`` with lone surrogates (which no tokenizer can encode) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+
+
+def _render_result(tool_name: str, value: Any) -> str | ErrorRecord:
+    """What the model reads for a tool's return value: a ``str`` as is, anything else as strict JSON.
+
+    A value JSON cannot encode (a set, bytes, an arbitrary object, a dict key that is not a str/int/float/bool/
+    None, a cycle, nesting too deep for the encoder) is a ``bad_tool_result`` record naming the tool and the
+    type. NaN and ±inf are rejected the same way (strict JSON has no such numbers, and silently sending
+    ``null`` would change the tool's answer): return ``None`` or a string such as ``"nan"`` instead.
+    """
+    if isinstance(value, str):
+        return _valid_text(value)
+    unencodable: list[str] = []
+
+    def refuse(obj: Any) -> Any:
+        unencodable.append(type(obj).__name__)
+        raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
+
+    try:
+        return json.dumps(value, allow_nan=False, default=refuse)
+    except Exception as exc:  # any failure of the encoder is the value's fault (even a raising __iter__)
+        bad_type = unencodable[-1] if unencodable else type(value).__name__
+        if unencodable:
+            what = f"a {bad_type}"
+        elif isinstance(exc, ValueError) and "Out of range float" in str(exc):
+            bad_type, what = "float", "a non-finite float (NaN or ±inf)"
+        elif isinstance(exc, RecursionError):
+            what = f"a {bad_type} nested too deeply to encode"
+        else:
+            what = f"a {bad_type} JSON cannot encode ({type(exc).__name__}: {exc})"
+        return ErrorRecord("bad_tool_result", f"tool {tool_name} returned {what}; {_RESULT_HINT}",
+                           {"tool": tool_name, "type": bad_type})
+
+
+@types.coroutine
+def _timed(awaitable: Any, held: list[float]) -> Any:
+    """Await ``awaitable``, recording in ``held[0]`` the longest stretch it ran without yielding to the event
+    loop (one ``send``/``throw`` of its coroutine). Values, exceptions and cancellation pass through unchanged;
+    works on any backend, since it only relays what the coroutine yields."""
+    inner = awaitable.__await__()
+    to_send: Any = None
+    to_throw: BaseException | None = None
+    while True:
+        began = time.perf_counter()
+        try:
+            yielded = inner.send(to_send) if to_throw is None else inner.throw(to_throw)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            held[0] = max(held[0], time.perf_counter() - began)
+        try:
+            to_send, to_throw = (yield yielded), None
+        except GeneratorExit:
+            inner.close()
+            raise
+        except BaseException as exc:  # e.g. the cancellation of the deadline's scope: the tool gets it
+            to_send, to_throw = None, exc
 
 
 async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: float | None = None,
                             context: ToolContext = ToolContext()) -> ToolResult:
-    """Run one tool call to a :class:`ToolResult`; every failure of the tool itself becomes its ``error``.
+    """Run one tool call to exactly one :class:`ToolResult`; every failure of the tool itself is its ``error``.
 
     ``context`` goes to a tool's :class:`ToolContext` parameter. A tool that raises
     :class:`~rollopt.errors.ToolFailed` gets its own typed record (e.g. ``sandbox_timeout``) in the result.
+    The value becomes text as :func:`_render_result` says (else a ``bad_tool_result`` record).
 
     A sync tool runs in a worker thread. At its deadline the call returns a ``tool_timeout`` record; a sync
-    tool's thread cannot be killed and finishes in the background (use the sandbox for untrusted code).
+    tool's thread cannot be killed and finishes in the background (use the sandbox for untrusted code). An
+    async tool runs on the event loop; one that runs without awaiting for longer than its deadline or its
+    :attr:`Tool.max_blocking_s` (``time.sleep``, a blocking client) stalled every other call and stream and
+    could not be interrupted: it gets a ``tool_blocked`` record naming how long it held the loop, whatever it
+    returned. A call whose outcome arrives after its deadline is a ``tool_timeout`` even if the deadline's
+    cancellation never reached it.
     """
     started = time.perf_counter()
     by_name = {t.name: t for t in tools}
 
     def result(content: str, error: ErrorRecord | None = None) -> ToolResult:
-        return ToolResult(call.id, call.name, content, error, time.perf_counter() - started)
+        return ToolResult(call.id, call.name, _valid_text(content), error, time.perf_counter() - started)
 
     chosen = by_name.get(call.name)
     if chosen is None:
@@ -233,23 +317,42 @@ async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: fl
     arguments = dict(call.arguments)
     if chosen.context_param is not None:
         arguments[chosen.context_param] = context
+    held = [0.0]  # the longest stretch an async tool ran without awaiting
+    failure: tuple[str, ErrorRecord] | None = None
     try:
         # a plain scope, not ``fail_after`` (two generator context managers per call): only its own deadline
         # can cancel it, so a caught cancellation is the timeout; a cancellation from outside propagates
         with anyio.CancelScope(deadline=anyio.current_time() + deadline) as scope:
             if inspect.iscoroutinefunction(chosen.fn):
-                value = await chosen.fn(**arguments)
+                value = await _timed(chosen.fn(**arguments), held)
             else:
                 value = await anyio.to_thread.run_sync(lambda: chosen.fn(**arguments), abandon_on_cancel=True)
     except ToolFailed as exc:
-        return result(exc.content, exc.record)
+        failure = (exc.content, exc.record)
     except Exception as exc:  # the tool's own failure is data; cancellation (BaseException) propagates
         err = ErrorRecord.from_exception("tool_crash", exc, tool=call.name)
+        failure = (f"Error: {err.message}", err)
+    late = scope.cancelled_caught or anyio.current_time() >= scope.deadline
+    if held[0] > min(deadline, chosen.max_blocking_s):
+        err = ErrorRecord(
+            "tool_blocked",
+            f"tool {call.name} blocked the event loop for {held[0]:.2f}s without awaiting (its deadline is "
+            f"{deadline:g}s, the limit {chosen.max_blocking_s:g}s), stalling every other call and stream; make it "
+            "async-safe (await an async API or anyio.to_thread.run_sync) or define it with plain def so it runs "
+            "in a worker thread",
+            {"tool": call.name, "blocked_s": held[0], "deadline_s": deadline})
         return result(f"Error: {err.message}", err)
-    if scope.cancelled_caught:
+    if held[0] > SLOW_STRETCH_S:
+        logger.warning("tool %s held the event loop for %.2fs without awaiting", call.name, held[0])
+    if late:
         err = ErrorRecord("tool_timeout", f"tool {call.name} ran past its {deadline:g}s deadline")
         return result(f"Error: {err.message}", err)
-    return result(_render_result(value))
+    if failure is not None:
+        return result(*failure)
+    rendered = _render_result(call.name, value)
+    if isinstance(rendered, ErrorRecord):
+        return result(f"Error: {rendered.message}", rendered)
+    return result(rendered)
 
 
 # ------------------------------------------------------------------------------------------ environment
