@@ -28,7 +28,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from rollopt import GenerateRequest, LocalEngine, LocalEngineConfig, SamplingParams  # noqa: E402
+from rollopt import GenerateRequest, LocalEngineConfig, SamplingParams  # noqa: E402
+from rollopt.engines import build_engine  # noqa: E402
+from rollopt.modeling import LoadedModel  # noqa: E402
 from rollopt.modeling.tiny import build_model  # noqa: E402
 
 SHAPES = {
@@ -98,7 +100,7 @@ def run_shape(name: str, repeats: int, hf_batch: int) -> dict:
     async def engine_part(invariant: bool, rep: int) -> None:
         cfg = LocalEngineConfig(max_running=32, max_context=1024, prefix_cache_tokens=4096,
                                 batch_invariant=invariant, kv_budget_mb=8192)
-        async with LocalEngine(model.config, state, cfg) as engine:
+        async with build_engine(cfg, LoadedModel(model.config, state, None, name)) as engine:
             for b in BATCHES:
                 raw.setdefault(f"decode_tok_s.invariant={invariant}.batch={b}", []).append(
                     await decode_throughput(engine, b, vocab, rep))

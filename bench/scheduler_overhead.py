@@ -53,7 +53,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from rollopt import ChatRenderer, LocalEngine, LocalEngineConfig, RolloutExecutor, SamplingParams  # noqa: E402
+from rollopt import ChatRenderer, LocalEngineConfig, RolloutExecutor, SamplingParams  # noqa: E402
+from rollopt.engines import build_engine  # noqa: E402
 from rollopt import ScriptedEngine, TokenSpan, Trajectory, episode_specs, execute_tool_call  # noqa: E402
 from rollopt.engines.base import GenerateRequest  # noqa: E402
 from rollopt.toolcalls import parse_tool_calls  # noqa: E402
@@ -151,9 +152,8 @@ async def bare_loop(env, specs, renderer: ChatRenderer, vocab: int) -> tuple[flo
 
 async def engine_busy(env, specs, renderer, policy: str, model) -> tuple[float, float]:
     """The embedded engine's busy seconds for the batch, and the batch's wall seconds."""
-    engine = LocalEngine(model.config, model.state_dict, LocalEngineConfig(max_running=256, max_context=2048,
-                                                                           prefix_cache_tokens=65536, threads=1))
-    async with engine:
+    config = LocalEngineConfig(max_running=256, prefix_cache_tokens=65536, threads=1)
+    async with build_engine(config, model) as engine:
         started = time.perf_counter()
         await RolloutExecutor(env, engine, renderer, policy).run(specs)
         wall = time.perf_counter() - started

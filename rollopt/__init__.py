@@ -1,89 +1,79 @@
 """rollopt: fast multi-turn, tool-using RL rollouts for LLM post-training that keep learning semantics.
 
-The public API is exactly ``__all__`` (checked by ``tests/test_public_api.py``).
+The public API is exactly ``__all__`` (checked by ``tests/test_public_api.py``). Names are imported on first
+use (PEP 562), so ``import rollopt.config`` or ``rollopt --help`` does not load torch.
 """
 
-from rollopt.batch import TrainBatch, collate
-from rollopt.chat import ChatRenderer
-from rollopt.engines.base import (
-    Engine,
-    EngineFailure,
-    EngineInfo,
-    FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    GenerateResult,
-    SamplingParams,
-)
-from rollopt.engines.local import LocalEngine, LocalEngineConfig
-from rollopt.engines.scripted import ScriptedEngine
-from rollopt.executor import EpisodeSpec, RolloutExecutor, RolloutResult, episode_specs, run_rollout
-from rollopt.graph import RolloutGraph
-from rollopt.errors import (
-    BadRequestError,
-    ConfigError,
-    EngineError,
-    EnvError,
-    ErrorRecord,
-    RolloptError,
-    ToolError,
-    ToolFailed,
-)
-from rollopt.step import Environment, Message, StepOutcome, Task, Tool, ToolContext, execute_tool_call, tool
-from rollopt.storage import load_trajectories, save_trajectories
-from rollopt.toolcalls import ParsedTurn, ToolCallStream, parse_tool_calls
-from rollopt.trajectory import NO_VERSION, Status, TokenKind, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "NO_VERSION",
-    "BadRequestError",
-    "ChatRenderer",
-    "ConfigError",
-    "Engine",
-    "EngineError",
-    "EngineFailure",
-    "EngineInfo",
-    "EnvError",
-    "Environment",
-    "EpisodeSpec",
-    "ErrorRecord",
-    "FinishReason",
-    "GenerateChunk",
-    "GenerateRequest",
-    "GenerateResult",
-    "LocalEngine",
-    "LocalEngineConfig",
-    "Message",
-    "ParsedTurn",
-    "RolloptError",
-    "RolloutExecutor",
-    "RolloutGraph",
-    "RolloutResult",
-    "SamplingParams",
-    "ScriptedEngine",
-    "Status",
-    "StepOutcome",
-    "Task",
-    "TokenKind",
-    "TokenSpan",
-    "Tool",
-    "ToolCall",
-    "ToolCallStream",
-    "ToolContext",
-    "ToolError",
-    "ToolFailed",
-    "ToolResult",
-    "TrainBatch",
-    "Trajectory",
-    "Turn",
-    "collate",
-    "episode_specs",
-    "execute_tool_call",
-    "load_trajectories",
-    "parse_tool_calls",
-    "run_rollout",
-    "save_trajectories",
-    "tool",
-]
+_EXPORTS: dict[str, str] = {
+    "BadRequestError": "rollopt.errors",
+    "ChatRenderer": "rollopt.chat",
+    "ConfigError": "rollopt.errors",
+    "Engine": "rollopt.engines.base",
+    "EngineError": "rollopt.errors",
+    "EngineFailure": "rollopt.engines.base",
+    "EngineInfo": "rollopt.engines.base",
+    "EnvError": "rollopt.errors",
+    "Environment": "rollopt.step",
+    "EpisodeSpec": "rollopt.executor",
+    "ErrorRecord": "rollopt.errors",
+    "FinishReason": "rollopt.engines.base",
+    "GenerateChunk": "rollopt.engines.base",
+    "GenerateRequest": "rollopt.engines.base",
+    "GenerateResult": "rollopt.engines.base",
+    "LocalEngine": "rollopt.engines.local",
+    "LocalEngineConfig": "rollopt.engines.local",
+    "Message": "rollopt.step",
+    "NO_VERSION": "rollopt.trajectory",
+    "ParsedTurn": "rollopt.toolcalls",
+    "RolloptError": "rollopt.errors",
+    "RolloutExecutor": "rollopt.executor",
+    "RolloutGraph": "rollopt.graph",
+    "RolloutResult": "rollopt.executor",
+    "SamplingParams": "rollopt.engines.base",
+    "ScriptedEngine": "rollopt.engines.scripted",
+    "Status": "rollopt.trajectory",
+    "StepOutcome": "rollopt.step",
+    "Task": "rollopt.step",
+    "TokenKind": "rollopt.trajectory",
+    "TokenSpan": "rollopt.trajectory",
+    "Tool": "rollopt.step",
+    "ToolCall": "rollopt.trajectory",
+    "ToolCallStream": "rollopt.toolcalls",
+    "ToolContext": "rollopt.step",
+    "ToolError": "rollopt.errors",
+    "ToolFailed": "rollopt.errors",
+    "ToolResult": "rollopt.trajectory",
+    "TrainBatch": "rollopt.batch",
+    "Trajectory": "rollopt.trajectory",
+    "Turn": "rollopt.trajectory",
+    "collate": "rollopt.batch",
+    "episode_specs": "rollopt.executor",
+    "execute_tool_call": "rollopt.step",
+    "load_trajectories": "rollopt.storage",
+    "parse_tool_calls": "rollopt.toolcalls",
+    "run_rollout": "rollopt.executor",
+    "save_trajectories": "rollopt.storage",
+    "tool": "rollopt.step",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {n for n, v in globals().items() if type(v).__name__ == "module"})

@@ -16,14 +16,13 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from rollopt import seeds
 from rollopt.engines.base import SamplingParams
 from rollopt.errors import ConfigError
 from rollopt.step import Task
 from rollopt.toolcalls import ParsedTurn
 from rollopt.trajectory import Trajectory
 
-SAMPLE_SEED_STRIDE = 1_000_000
-"""Sample ``j`` of task ``i`` in a call seeded ``s`` gets sampling seed ``s·SAMPLE_SEED_STRIDE + i·G + j``."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ def episode_specs(tasks: Sequence[Task], group_size: int, sampling: SamplingPara
         raise ConfigError(f"duplicate task ids {dup[:5]}: each task of a batch is one GRPO group; give every task "
                           "its own id")
     return [EpisodeSpec(task=task, trajectory_id=f"{task.id}.s{j}", group_id=task.id,
-                        sampling=replace(sampling, seed=seed * SAMPLE_SEED_STRIDE + i * group_size + j), **fork)
+                        sampling=replace(sampling, seed=seed * seeds.SAMPLE + i * group_size + j), **fork)
             for i, task in enumerate(tasks) for j in range(group_size)]
 
 

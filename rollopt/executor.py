@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import anyio
 
+from rollopt import seeds
 from rollopt.chat import ChatRenderer
 from rollopt.engines.base import Engine, EngineFailure, FinishReason, GenerateRequest, SamplingParams
 from rollopt.episodes import CarriedTrajectory, CarryOver, EpisodeSpec, episode_specs
@@ -151,16 +152,40 @@ class RolloutExecutor:
 
         Carried groups that are already complete come back first and count toward ``target_groups``; the
         groups not returned (complete beyond the quota, or with preempted members) stay in :attr:`carry`."""
+        _check_ids(self._carry, specs)
+        batch = _Batch(self, target_groups, (await self.engine.info()).max_context)
+        carried, self._carry = self._carry, []
+        try:
+            return await batch.run(carried, specs)
+        finally:
+            self._carry = batch.leftover if batch.done else carried  # a failed call keeps what it was given
+
+
+class _Batch:
+    """One call of :meth:`RolloutExecutor.run`: the trajectories it drives and the state that lives only while
+    it runs (graph, snapshot, gates, shared prefills, counters, task group). The executor keeps nothing of it
+    but the trajectories it did not return."""
+
+    def __init__(self, executor: RolloutExecutor, target_groups: int | None, max_context: int) -> None:
+        self.env, self.engine, self.renderer, self.policy = (executor.env, executor.engine, executor.renderer,
+                                                             executor.policy)
+        self._preempts, self.clock = executor._preempts, executor.clock
+        self._tools, self._tool_schemas = executor._tools, executor._tool_schemas
         self._graph, self._t0 = RolloutGraph(), self.clock()
         self._target = target_groups
-        self._max_context = (await self.engine.info()).max_context
+        self._max_context = max_context
         self._changed: anyio.Event | None = None  # set on the next state change; made only when a gate waits
         self._view: RolloutView | None = None
         self._prefills: dict[tuple, anyio.Event | None] = {}  # shared prefix -> its prefill (None: not shared)
         self._sharers: Counter[tuple | None] | None = None  # trajectories per prefix key; None: count again
         self._streamed, self._preempted = 0, 0
-        self._check_ids(self._carry, specs)
-        carried, self._carry = self._carry, []
+        self._runs: list[TrajectoryRun] = []
+        self._started: list[str] = []
+        self._completion_order: list[str] = []
+        self.leftover: list[TrajectoryRun] = []  # what the executor carries over (set when the batch ends)
+        self.done = False
+
+    async def run(self, carried: list[TrajectoryRun], specs: Sequence[EpisodeSpec]) -> RolloutResult:
         for run in carried:
             run.carry_age += 1
             run.preempt_requested = run.suspended = False
@@ -171,8 +196,8 @@ class RolloutExecutor:
         # groups already complete (carried over, or every member failed its reset) lead the completion order:
         # returned first, counted toward the quota
         pending = {r.traj.group_id for r in self._runs if r.stage is not Stage.DONE}
-        self._completion_order: list[str] = list(dict.fromkeys(r.traj.group_id for r in self._runs
-                                                               if r.traj.group_id not in pending))
+        self._completion_order = list(dict.fromkeys(r.traj.group_id for r in self._runs
+                                                    if r.traj.group_id not in pending))
         self._started = [spec.trajectory_id for spec in specs]
         async with anyio.create_task_group() as self._tg:
             for run in list(self._runs):
@@ -188,12 +213,13 @@ class RolloutExecutor:
         returned = complete if self._target is None else complete[: self._target]
         out = [r.traj for g in returned for r in groups[g]]
         returned = set(returned)
-        self._carry = [r for g, members in groups.items() if g not in returned for r in members]
+        self.leftover = [r for g, members in groups.items() if g not in returned for r in members]
+        self.done = True
         end = self._now()
         self._graph.close(end)
-        return RolloutResult(out, self._graph, end, len(self._carry), self._preempted, self._streamed,
+        return RolloutResult(out, self._graph, end, len(self.leftover), self._preempted, self._streamed,
                              started=tuple(self._started), carried_groups=len(groups) - len(returned),
-                             carried_age_max=max((r.carry_age for r in self._carry), default=0))
+                             carried_age_max=max((r.carry_age for r in self.leftover), default=0))
 
     def _start(self, spec: EpisodeSpec, prompts: dict[str, TokenSpan]) -> TrajectoryRun:
         """A new trajectory with its rendered prompt. An environment whose ``reset`` (or a prompt that cannot
@@ -217,18 +243,6 @@ class RolloutExecutor:
         run.last_node = self._graph.add("prompt", run.id, start=self._now(), tokens=len(prompt))
         self._graph.finish(run.last_node, self._now())
         return run
-
-    def _check_ids(self, carried: Sequence[TrajectoryRun], specs: Sequence[EpisodeSpec]) -> None:
-        """Trajectory ids are the executor's keys (and a group id is a GRPO group): reject a collision before
-        any work starts, instead of merging two trajectories or groups."""
-        ids = [r.id for r in carried] + [s.trajectory_id for s in specs]
-        if len(set(ids)) != len(ids):
-            dup = sorted({i for i in ids if ids.count(i) > 1})
-            raise ConfigError(f"duplicate trajectory ids {dup[:5]} (a carried-over one, or two specs): give every "
-                              "episode its own id (episode_specs derives them from unique task ids)")
-        carried_groups = {r.traj.group_id for r in carried}
-        if clash := sorted(carried_groups & {s.group_id for s in specs}):
-            raise ConfigError(f"group ids {clash[:5]} are still in the carry-over: new specs need new group ids")
 
     def _now(self) -> float:
         return self.clock() - self._t0
@@ -366,7 +380,7 @@ class RolloutExecutor:
         if room < 1:
             return self._close_turn(run, FinishReason.LENGTH)
         while True:
-            seed = None if sampling.seed is None else sampling.seed + 7919 * run.turn + 104729 * run.segments
+            seed = seeds.request_seed(sampling.seed, run.turn, run.segments)
             request = GenerateRequest(f"{traj.id}.t{run.turn}.r{run.segments}", tuple(traj.token_ids.tolist()),
                                       replace(sampling, max_new_tokens=room, seed=seed),
                                       priority=self.policy.priority(self.view(), run.id), affinity=traj.group_id,
@@ -560,7 +574,7 @@ class RolloutExecutor:
             traj = copy.deepcopy(run.traj)
             traj.id = f"{run.id}.b{j}"
             traj.metadata["cloned_at"] = len(traj)  # tokens before this offset were sampled by the parent
-            seed = None if run.spec.sampling.seed is None else run.spec.sampling.seed + 1_000_003 * j
+            seed = None if run.spec.sampling.seed is None else run.spec.sampling.seed + seeds.BRANCH * j
             spec = replace(run.spec, trajectory_id=traj.id, sampling=replace(run.spec.sampling, seed=seed),
                            fork_after_turn=None)
             children.append(TrajectoryRun(spec=spec, traj=traj, turn=run.turn + 1))
@@ -569,6 +583,19 @@ class RolloutExecutor:
             self._runs.append(child)
             self._started.append(child.id)
             self._tg.start_soon(self._drive, child)
+
+
+def _check_ids(carried: Sequence[TrajectoryRun], specs: Sequence[EpisodeSpec]) -> None:
+    """Trajectory ids are the executor's keys (and a group id is a GRPO group): reject a collision before
+    any work starts, instead of merging two trajectories or groups."""
+    ids = [r.id for r in carried] + [s.trajectory_id for s in specs]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ConfigError(f"duplicate trajectory ids {dup[:5]} (a carried-over one, or two specs): give every "
+                          "episode its own id (episode_specs derives them from unique task ids)")
+    carried_groups = {r.traj.group_id for r in carried}
+    if clash := sorted(carried_groups & {s.group_id for s in specs}):
+        raise ConfigError(f"group ids {clash[:5]} are still in the carry-over: new specs need new group ids")
 
 
 async def run_rollout(env: Environment, engine: Engine, renderer: ChatRenderer, specs: Sequence[EpisodeSpec],

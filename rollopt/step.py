@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Literal, Sequence, TypedDict, Union
 
 import anyio
 
+from rollopt.config import SamplingParams
 from rollopt.errors import ErrorRecord, ToolFailed
 from rollopt.toolcalls import ParsedTurn
 from rollopt.trajectory import ToolCall, ToolResult
@@ -439,7 +440,7 @@ class Environment(abc.ABC):
         supervised warm start; ``None`` (the default) when the environment has none."""
         return None
 
-    def turn_sampling(self, task: Task, turn_index: int, sampling: Any) -> Any:
+    def turn_sampling(self, task: Task, turn_index: int, sampling: SamplingParams) -> SamplingParams:
         """The sampling params of one turn (default: the episode's, unchanged)."""
         return sampling
 

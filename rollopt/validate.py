@@ -53,7 +53,9 @@ import torch
 
 from rollopt.chat import ChatRenderer
 from rollopt.engines.base import SamplingParams
-from rollopt.engines.local import LocalEngine, LocalEngineConfig
+from rollopt.config import LocalEngineConfig
+from rollopt.engines import build_engine
+from rollopt.modeling import LoadedModel
 from rollopt.environments import SyntheticEnv
 from rollopt.executor import RolloutExecutor, episode_specs
 from rollopt.schedulers import Policy, RiskClass, build_scheduler
@@ -125,11 +127,12 @@ class Harness:
                                  eos_token_id=self.tokenizer.eos_token_id)
         self.renderer = ChatRenderer(self.tokenizer)
 
-    def engine(self) -> LocalEngine:
-        cfg = LocalEngineConfig(max_running=64, max_context=1024, batch_invariant=True, invariant_prefill=True,
-                                seed=self.cfg.seed)
-        return LocalEngine(self.model.config, {k: v.clone() for k, v in self.model.state_dict().items()}, cfg,
-                           tokenizer=self.tokenizer, model_name="tiny-llama")
+    def engine(self):
+        """A fresh batch-invariant embedded engine (exact R1 parity needs invariant prefill), as an async
+        context manager."""
+        cfg = LocalEngineConfig(max_running=64, batch_invariant=True, invariant_prefill=True, seed=self.cfg.seed)
+        weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+        return build_engine(cfg, LoadedModel(self.model.config, weights, self.tokenizer, "tiny-llama"))
 
     async def rollout(self, policy: Policy | str, tasks: int, group: int, temperature: float) -> list[Trajectory]:
         env = _env(self.cfg)

@@ -21,6 +21,7 @@ import inspect
 from typing import Any, Callable
 
 from rollopt.errors import ConfigError
+from rollopt.plugins import entry_point
 from rollopt.schedulers.base import CompositePolicy, Policy, RiskClass, RolloutView, Stage, TrajectoryView
 from rollopt.schedulers.las import LeastAttainedServicePolicy
 from rollopt.schedulers.overlap import OverlapPolicy
@@ -31,6 +32,8 @@ from rollopt.schedulers.sync import SyncPolicy
 from rollopt.schedulers.warm import WarmPolicy
 
 SCHEDULERS: dict[str, Callable[..., Policy]] = {}
+ENTRY_POINT_GROUP = "rollopt.schedulers"
+"""Installed packages add policies by name through this entry-point group (``name = "pkg.mod:PolicyClass"``)."""
 
 
 def register_scheduler(name: str, factory: Callable[..., Policy]) -> None:
@@ -51,6 +54,9 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
     """Build ``"a+b+c"``. ``options`` are passed to the parts whose constructor accepts them
     (e.g. ``max_carry_age=2`` for ``preempt``)."""
     names = [n.strip() for n in spec.split("+") if n.strip()]
+    for n in names:  # an installed package's policy, by entry point
+        if n not in SCHEDULERS and (factory := entry_point(ENTRY_POINT_GROUP, n)) is not None:
+            register_scheduler(n, factory)
     unknown = [n for n in names if n not in SCHEDULERS]
     if not names or unknown:
         raise ConfigError(f"unknown scheduler {unknown or spec!r}; known: {sorted(SCHEDULERS)} (combine with '+')")
@@ -71,7 +77,7 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
 
 
 __all__ = [
-    "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
+    "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
     "PrefixPolicy", "PreemptPolicy", "RiskClass", "RolloutView", "Stage", "SyncPolicy", "TrajectoryView",
     "WarmPolicy", "build_scheduler", "register_scheduler",
 ]

@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from rollopt.config import SamplingParams
+
 
 class RiskClass(str, enum.Enum):
     """How a scheduling optimization may change learning semantics (DESIGN invariant 4)."""
@@ -231,7 +233,7 @@ class Policy:
     def preempt(self, view: RolloutView) -> set[str]:
         return set()
 
-    def sampling(self, view: RolloutView, tid: str, params):
+    def sampling(self, view: RolloutView, tid: str, params: SamplingParams) -> SamplingParams:
         return params
 
     @property
@@ -285,7 +287,7 @@ class CompositePolicy(Policy):
         asked = self._asked["preempt"]
         return asked[0].preempt(view) if len(asked) == 1 else set().union(*(p.preempt(view) for p in asked))
 
-    def sampling(self, view: RolloutView, tid: str, params):
+    def sampling(self, view: RolloutView, tid: str, params: SamplingParams) -> SamplingParams:
         for p in self._asked["sampling"]:
             params = p.sampling(view, tid, params)
         return params

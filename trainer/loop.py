@@ -53,6 +53,7 @@ from rollopt.engines.base import Engine, SamplingParams
 from rollopt.environments import build_environment
 from rollopt.episodes import CarryOver, EpisodeSpec, episode_specs
 from rollopt.executor import RolloutExecutor
+from rollopt.seeds import EVAL, step_seed
 from rollopt.timeline import timeline_totals, write_trace
 from rollopt.trajectory import Status, Trajectory
 from rollopt.trainer.attribution import WeightHistory, attribute_mismatch
@@ -165,10 +166,10 @@ class Trainer:
         """The step's new episodes: ``tasks_per_step + extra_groups − carried_groups`` groups (none while the
         carry-over already holds that many), the first of the step's seeded task list."""
         r, seed = self.recipe.rollout, self.recipe.loop.seed
-        tasks = self.env.tasks(r.tasks_per_step + r.extra_groups, seed * 1_000_003 + step)
+        tasks = self.env.tasks(r.tasks_per_step + r.extra_groups, step_seed(seed, step))
         tasks = tasks[: max(0, len(tasks) - carried_groups)]
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
-        return episode_specs(tasks, r.group_size, sampling, seed * 1_000_003 + step)
+        return episode_specs(tasks, r.group_size, sampling, step_seed(seed, step))
 
     async def rollout(self, executor: RolloutExecutor, step: int) -> RolloutBatch:
         started = time.perf_counter()
@@ -181,7 +182,7 @@ class Trainer:
     async def evaluate(self, engine: Engine) -> float:
         """Greedy reward on ``rollout.eval_tasks`` held-out tasks (a seed no training step uses)."""
         r = self.recipe.rollout
-        tasks = self.env.tasks(r.eval_tasks, 7_777_777 + self.recipe.loop.seed)
+        tasks = self.env.tasks(r.eval_tasks, EVAL + self.recipe.loop.seed)
         specs = episode_specs(tasks, 1, SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0), 0)
         result = await RolloutExecutor(self.env, engine, self.renderer, "overlap+prefix").run(specs)
         return sum(t.reward or 0.0 for t in result.trajectories) / max(len(result.trajectories), 1)
@@ -290,43 +291,9 @@ class Trainer:
         return out
 
     def _engine(self):
-        from contextlib import asynccontextmanager
+        """The recipe's engine (:func:`rollopt.engines.build_engine`), holding the trainer's current weights."""
+        from rollopt.engines import EngineContext, build_engine
+        from rollopt.modeling import LoadedModel
 
-        r = self.recipe.rollout
-
-        @asynccontextmanager
-        async def local():
-            from rollopt.engines.local import LocalEngine, LocalEngineConfig
-
-            cfg = LocalEngineConfig(max_running=r.max_running, max_context=2048, batch_invariant=True,
-                                    invariant_prefill=r.invariant_prefill, seed=self.recipe.loop.seed)
-            engine = LocalEngine(self.model.config, engine_weights(self.model), cfg, tokenizer=self.tokenizer,
-                                 model_name=self.model_name)
-            async with engine:
-                yield engine
-
-        @asynccontextmanager
-        async def sglang():
-            import tempfile
-
-            from rollopt.engines.sglang import SGLangEngine
-            from rollopt.engines.sglang_server import SGLangServer
-
-            with tempfile.TemporaryDirectory(prefix="rollopt-train-") as tmp:
-                self.model.save_pretrained(tmp)
-                self.tokenizer.save_pretrained(tmp)
-                self.progress("starting an SGLang server")
-                async with SGLangServer(tmp, extra_args=list(r.sglang_args), device=r.sglang_device,
-                                        log_path=self.out_dir / "sglang.log") as server:
-                    async with SGLangEngine(server.base_url) as engine:
-                        yield engine
-
-        @asynccontextmanager
-        async def servers():
-            from rollopt.engines.routed import RoutedEngine
-            from rollopt.engines.sglang import SGLangEngine
-
-            async with RoutedEngine([SGLangEngine(url) for url in r.servers]) as engine:
-                yield engine
-
-        return {"local": local, "sglang": sglang, "servers": servers}[r.engine]()
+        model = LoadedModel(self.model.config, engine_weights(self.model), self.tokenizer, self.model_name)
+        return build_engine(self.recipe.engine_config(), model, EngineContext(self.out_dir, self.progress))

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from rollopt.config import check_value
 from rollopt.errors import ConfigError
 from rollopt.trainer.losses import LOSS_AGGREGATIONS
 from rollopt.trainer.offpolicy import OffPolicyConfig
@@ -47,7 +49,8 @@ class WarmStartSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
-    engine: str = "local"  # "local" (embedded), "sglang" (a real server, started for the run) or "servers"
+    engine: str = "local"  # "local" (embedded), "sglang" (a real server, started for the run), "servers", or a registered plug-in
+    engine_options: dict[str, Any] = field(default_factory=dict)  # more fields of the engine's config (rollopt.config)
     servers: tuple[str, ...] = ()  # engine = "servers": base URLs of running SGLang servers, routed (RoutedEngine)
     scheduler: str = "overlap+prefix"
     tasks_per_step: int = 8  # GRPO groups per step
@@ -114,11 +117,11 @@ class Recipe:
             raise ConfigError("async needs off_policy.max_staleness >= 1; use loop.mode = 'sync' for on-policy")
         if self.algorithm.loss_agg not in LOSS_AGGREGATIONS:
             raise ConfigError(f"algorithm.loss_agg {self.algorithm.loss_agg!r}; use one of {LOSS_AGGREGATIONS}")
-        if self.rollout.engine not in ("local", "sglang", "servers"):
-            raise ConfigError(f"rollout.engine {self.rollout.engine!r}; use 'local', 'sglang' or 'servers'")
         if (self.rollout.engine == "servers") != bool(self.rollout.servers):
             raise ConfigError("rollout.engine = 'servers' goes with rollout.servers = [\"http://host:port\", ...] "
                               "(running SGLang servers), and rollout.servers only with it")
+        self.engine_config()  # resolves the engine by name and checks its options
+        self._resolve_names()
         if self.loop.mode == "sync" and self.rollout.extra_groups > 0:
             raise ConfigError(f"rollout.extra_groups = {self.rollout.extra_groups} with loop.mode = 'sync': groups "
                               "finished beyond the quota are trained a step later, off-policy; set "
@@ -136,6 +139,32 @@ class Recipe:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.attribution.sequences < 0:
             raise ConfigError(f"attribution.sequences must be >= 0 (0: off), got {self.attribution.sequences}")
+
+    def _resolve_names(self) -> None:
+        """Every name the recipe gives resolves now, before any model is built (a typo costs no warm start)."""
+        from rollopt.environments import check_environment_options
+        from rollopt.schedulers import build_scheduler
+        from rollopt.trainer.advantages import ADVANTAGE_ESTIMATORS as ESTIMATORS
+
+        if self.algorithm.advantage not in ESTIMATORS:
+            raise ConfigError(f"algorithm.advantage = {self.algorithm.advantage!r}; use one of {sorted(ESTIMATORS)}")
+        check_environment_options(self.environment.name, self.environment.options)
+        try:
+            build_scheduler(self.rollout.scheduler)
+        except ConfigError as exc:
+            raise ConfigError(f"rollout.scheduler: {exc}") from None
+
+    def engine_config(self) -> Any:
+        """The rollout engine's configuration (:mod:`rollopt.config`): the rollout section's keys for the shipped
+        engines, with ``rollout.engine_options`` on top (a plug-in engine takes only those)."""
+        from rollopt.engines import engine_config
+
+        r = self.rollout
+        shipped = {"local": {"max_running": r.max_running, "batch_invariant": True,
+                             "invariant_prefill": r.invariant_prefill, "seed": self.loop.seed},
+                   "sglang": {"device": r.sglang_device, "args": r.sglang_args},
+                   "servers": {"urls": r.servers}}
+        return engine_config(r.engine, **{**shipped.get(r.engine, {}), **r.engine_options})
 
     @property
     def max_ahead(self) -> int:
@@ -178,6 +207,7 @@ def _toml_value(v: Any) -> str:
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; known: {sorted(known)}")
@@ -188,10 +218,8 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             if not isinstance(value, dict):
                 raise ConfigError(f"[{where}{key}] must be a table")
             kwargs[key] = _build(type(default), value, f"{where}{key}.")
-        elif isinstance(known[key].default, tuple):
-            kwargs[key] = tuple(value)
         else:
-            kwargs[key] = value
+            kwargs[key] = check_value(where + key, value, hints[key])
     try:
         return cls(**kwargs)
     except TypeError as exc:
@@ -207,6 +235,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except tomllib.TOMLDecodeError:
         value = raw
     return key.strip().split("."), value
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` pairs as a dict (values parsed as in :func:`parse_override`), e.g. environment options."""
+    return {".".join(k): v for k, v in map(parse_override, pairs)}
 
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:

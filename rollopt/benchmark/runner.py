@@ -9,15 +9,17 @@ import statistics
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncContextManager, Callable
 
 import torch
 
 from rollopt.benchmark.measure import Calibration, calibrate, step_metrics
 from rollopt.benchmark.workloads import Workload
 from rollopt.chat import ChatRenderer
+from rollopt.config import LocalEngineConfig
+from rollopt.engines import build_engine
+from rollopt.engines import engine_config as engine_config_by_name
 from rollopt.engines.base import Engine
-from rollopt.engines.local import LocalEngine, LocalEngineConfig
 from rollopt.executor import RolloutExecutor, episode_specs
 from rollopt.modeling import LoadedModel
 from rollopt.schedulers import build_scheduler
@@ -36,10 +38,23 @@ class BenchRun:
     trace_dir: Path | None = None
 
 
-def local_engine(model: LoadedModel, workload: Workload) -> LocalEngine:
-    cfg = LocalEngineConfig(max_running=workload.max_running, max_context=4096, prefix_cache_tokens=65536,
-                            kv_budget_mb=12288, threads=1)  # one core for the engine, one for the event loop
-    return LocalEngine(model.config, model.state_dict, cfg, tokenizer=model.tokenizer, model_name=model.name)
+def engine_config(kind: str, workload: Workload) -> Any:
+    """The bench's configuration of engine ``kind`` for ``workload``: the embedded engine sized for it (one
+    OpenMP thread, leaving the second core to the event loop), or a registered engine's defaults."""
+    if kind == "local":
+        return LocalEngineConfig(max_running=workload.max_running, max_context=4096, prefix_cache_tokens=65536,
+                                 kv_budget_mb=12288, threads=1)
+    return engine_config_by_name(kind)
+
+
+async def bench(run: BenchRun, engine: Any, model: LoadedModel | None = None,
+                on_step: Callable[[str, int], None] = lambda name, rep: None) -> dict[str, Any]:
+    """``rollopt bench``: load the workload's model (unless given), start ``engine`` (a configuration, see
+    :func:`engine_config`) and run every policy; the report dict."""
+    from rollopt.modeling import load_model
+
+    model = model or load_model(run.workload.model, seed=run.seed)
+    return await run_policies(run, model, build_engine(engine, model), engine.kind, on_step)
 
 
 def _engine_counters(engine: Engine) -> dict[str, float]:
@@ -49,15 +64,16 @@ def _engine_counters(engine: Engine) -> dict[str, float]:
     return {"busy_s": stats.busy_s, "prefill_tokens": stats.prefill_tokens, "cached_tokens": stats.cached_tokens}
 
 
-async def run_policies(run: BenchRun, model: LoadedModel, engine: Engine, engine_kind: str,
+async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContextManager[Engine], engine_kind: str,
                        on_step: Callable[[str, int], None] = lambda name, rep: None) -> dict[str, Any]:
-    """Run every policy ``repeats`` times; return the report dict (see ``rollopt bench --help``)."""
+    """Run every policy ``repeats`` times on the engine ``engine_cm`` starts; return the report dict (see
+    ``rollopt bench --help``)."""
     w = run.workload
     env = w.make_env()
     renderer = ChatRenderer(model.tokenizer)
     per_policy: dict[str, list[dict[str, float]]] = {name: [] for name in run.schedulers}
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(engine)
+        engine = await stack.enter_async_context(engine_cm)
         info = await engine.info()
         cal: Calibration = await calibrate(engine, info.vocab_size, w.max_running)
         for rep in range(run.repeats):
@@ -80,6 +96,16 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine: Engine, engine
                 per_policy[name][-1]["_timeline"] = _timeline(result)  # type: ignore[assignment]
                 on_step(name, rep)
     return _summarize(run, model, engine_kind, cal, per_policy)
+
+
+def save_report(report: dict[str, Any], path: Path) -> Path:
+    """Write the report as JSON (without the per-trajectory timelines, which only the plot uses)."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    slim = {**report, "policies": [{k: v for k, v in p.items() if k != "timeline"} for p in report["policies"]]}
+    path.write_text(json.dumps(slim, indent=2))
+    return path
 
 
 def _write_traces(trace_dir: Path, name: str, result) -> None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import abc
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal, Sequence
 
+from rollopt.config import SamplingParams
 from rollopt.errors import BadRequestError, EngineError
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -33,53 +33,6 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling, with SGLang's field names and conventions.
-
-    ``max_new_tokens == 0`` only prefills the prompt (it lands in the prefix cache; nothing is sampled).
-    ``temperature == 0`` is greedy. ``top_k == -1`` and ``top_p == 1`` disable those filters. ``stop`` strings
-    and ``stop_token_ids`` end the request with ``finish_reason == "stop"`` (the stop token is kept in the
-    output, as SGLang does). ``seed`` makes sampling reproducible per request.
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-
-    def validate(self) -> None:
-        problems = []
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            problems.append(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (self.top_k == -1 or self.top_k >= 1):
-            problems.append(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if problems:
-            raise BadRequestError("invalid sampling params: " + "; ".join(problems))
-
-    def to_sglang(self) -> dict[str, Any]:
-        """SGLang's ``sampling_params`` dict (``sglang/srt/sampling/sampling_params.py`` names)."""
-        out: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "ignore_eos": self.ignore_eos,
-        }
-        if self.stop:
-            out["stop"] = list(self.stop)
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
-        if self.seed is not None:
-            out["sampling_seed"] = self.seed
-        return out
 
 
 @dataclass(frozen=True)

@@ -50,73 +50,20 @@ from rollopt.engines.base import (
     may_hold_back,
     next_version,
 )
+from rollopt.config import LocalEngineConfig
 from rollopt.engines.prefix_cache import PrefixCache
 from rollopt.engines.sampling import sample_token
 from rollopt.errors import BadRequestError, ConfigError, EngineError
 from rollopt.modeling.llama import LlamaModel, SlotKV
 
 
-@dataclass(frozen=True)
-class LocalEngineConfig:
-    """Sizing of the embedded engine.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-    Attributes:
-        max_running: KV slots, i.e. the largest decode batch; more requests wait in the queue.
-        max_context: positions per slot; prompt + max_new_tokens of a request must fit.
-        prefill_chunk: prompt tokens prefilled per tick (long prompts are split across ticks).
-        block_size: prefix-cache block size in tokens.
-        prefix_cache_tokens: prefix-cache capacity in tokens (0 disables the cache).
-        kv_budget_mb: refuse to start if slots + prefix cache would need more KV memory than this.
-        dtype: "float32" or "bfloat16".
-        batch_invariant: a request's tokens and logprobs do not depend on which other requests share its
-            decode steps (fixed-size matmul tiles, per-row attention; see rollopt.modeling.llama). Off is
-            faster for tiny models; R1 token parity between schedulers relies on it being on.
-        invariant_prefill: prefill with decode's kernels too (16-row tiles, per-token attention), so KV does not
-            depend on how a prefix was computed (chunk, decode, cache hit) and greedy output does not depend on
-            the timing of cache hits. Exact R1 parity across schedulers needs it; prefill is several times slower.
-        seed: seeds requests that give no seed of their own (request n gets ``seed + n``).
-        defer_shared_prefill: admit a request whose first block matches a request still prefilling only
-            after that prefill, so it reuses the KV (like SGLang's in-batch prefix caching).
-        threads: intra-op threads of the forward passes (None: torch's setting). Set for each tick and restored
-            after it, so a trainer in the same process keeps its own. With few cores, fewer engine threads leave a
-            core to the event loop (executor, tools, streaming): on this 2-core machine a tick in the worker
-            thread ran 2.4× faster with 1 thread than with 2 for the tiny model at batch 1, and no slower for
-            the 135M shape at batch 1 or 32.
-    """
 
-    max_running: int = 32
-    max_context: int = 2048
-    prefill_chunk: int = 512
-    block_size: int = 16
-    prefix_cache_tokens: int = 16384
-    kv_budget_mb: float = 4096
-    dtype: str = "float32"
-    batch_invariant: bool = True
-    invariant_prefill: bool = False
-    seed: int = 0
-    defer_shared_prefill: bool = True
-    threads: int | None = None
-
-    def torch_dtype(self) -> torch.dtype:
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-        if self.dtype not in dtypes:
-            raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {sorted(dtypes)}")
-        return dtypes[self.dtype]
-
-    def validate(self, kv_bytes_per_token: int) -> None:
-        for name in ("max_running", "max_context", "prefill_chunk", "block_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1 or None (torch's default), got {self.threads}")
-        need = (self.max_running * self.max_context + self.prefix_cache_tokens) * kv_bytes_per_token / 2**20
-        if need > self.kv_budget_mb:
-            raise ConfigError(
-                f"KV cache needs {need:.0f} MB (max_running={self.max_running} × max_context={self.max_context} "
-                f"+ prefix_cache_tokens={self.prefix_cache_tokens}, {kv_bytes_per_token} B/token) but "
-                f"kv_budget_mb={self.kv_budget_mb:g}; lower max_running, max_context or prefix_cache_tokens, "
-                "or raise kv_budget_mb"
-            )
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 @dataclass(eq=False)
@@ -184,7 +131,7 @@ class LocalEngine(Engine):
     def __init__(self, config, state_dict: Mapping[str, torch.Tensor], engine_config: LocalEngineConfig | None = None,
                  tokenizer: Any = None, model_name: str = "local") -> None:
         self.engine_config = cfg = engine_config or LocalEngineConfig()
-        dtype = cfg.torch_dtype()
+        dtype = torch_dtype(cfg.dtype)
         self.model = LlamaModel(config, state_dict, dtype, batch_invariant=cfg.batch_invariant,
                                 invariant_prefill=cfg.invariant_prefill)
         cfg.validate(self.model.shape.kv_bytes_per_token(dtype))

@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 
+from rollopt import seeds
 from rollopt.engines.base import (
     Engine,
     EngineFailure,
@@ -61,7 +62,7 @@ from rollopt.engines.base import (
 from rollopt.engines.routing import AffinityRouter, NoHealthyServer, affinity_key
 from rollopt.errors import BadRequestError, ConfigError, EngineError
 
-SEGMENT_SEED_STRIDE = 104729
+SEGMENT_SEED_STRIDE = seeds.SEGMENT
 
 
 class VersionMismatch(EngineError):
