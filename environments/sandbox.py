@@ -8,43 +8,63 @@ code under the call's limits and then kills every process it left and empties it
 interpreter keeps its variables and files across that trajectory's calls until :meth:`SandboxPool.release`
 kills it; the pool starts a replacement at once, so ``size`` workers stay warm for everyone else.
 
-What is enforced (each has a test in ``tests/test_sandbox.py``):
+What is enforced (each has a test in ``tests/test_sandbox.py`` or ``tests/test_sandbox_isolation.py``):
 
 ==========================  ===============================================================================
 wall-clock timeout          host-side, per call; at the deadline the whole sandbox is killed and replaced
 CPU time                    ``RLIMIT_CPU`` per process: per call when stateless, per session in a session
-memory                      ``RLIMIT_AS`` (address space) per process
-processes                   ``RLIMIT_NPROC``: each worker runs as its own unused uid, so the count is per worker
+memory                      ``RLIMIT_AS`` (address space) per process; memory that address space does not
+                            count is out of reach: memfds, SysV shared memory and message queues, POSIX
+                            message queues are denied (syscall filter); no tmpfs is writable; socket buffers
+                            stay at the kernel's default size, times ``RLIMIT_NOFILE`` (``max_open_files``)
+processes and threads       ``RLIMIT_NPROC``: each worker runs as its own unused uid, so the count is per worker
 file size                   ``RLIMIT_FSIZE`` per file written
 output                      stdout+stderr share one pipe; the first ``max_output_bytes`` are kept
 filesystem                  only ``/usr``, the interpreter's prefix (read-only) and a private ``/scratch``
-                            (the only writable place; emptied after each stateless call) are visible
+                            (the only writable place; emptied after each stateless call, whatever tree a call
+                            built there: any depth, any permission bits) are visible
 network                     a new, empty network namespace (loopback only, not the host's)
 processes of other users    a new pid namespace: only the sandbox's own processes are visible
-leftover processes          killed after every stateless call; killing a sandbox kills its whole namespace
+state between calls         nothing outlives a stateless call: its processes are killed, ``/scratch`` emptied,
+                            and what would outlive them is denied: IPC objects (they live per IPC namespace,
+                            i.e. per worker) and kernel keys (per uid, so across workers, pools and pool
+                            close). A session's worker serves only that session until it is released
+syscalls                    a seccomp filter (libseccomp, loaded by bwrap) denies what a tool never needs:
+                            new namespaces (``unshare``, ``setns``, ``clone`` with namespace flags), mounts,
+                            the keyring, IPC objects, memfds, ``ptrace``, ``bpf``, ``perf_event_open``,
+                            ``io_uring``, module loading, ``kexec``...; syscalls of another ABI kill the process
 privileges                  the supervisor drops root for the worker uid before any untrusted code runs;
                             ``no_new_privs`` is set, so setuid binaries give nothing back
 ==========================  ===============================================================================
 
-Not enforced: total memory of a call with several processes (the limit is per process), total disk use
-(per-file size only; ``/scratch`` lives on the host's temp filesystem), CPU shares between workers, the
-size of the code sent, kernel attack surface (no seccomp filter, no cgroups), and side channels. A program
-can forge its *own* result (status and output come from its process), never another call's. The pool must
-run as root (it creates the per-worker uids' processes) on Linux with bubblewrap installed; otherwise
-entering it raises :class:`SandboxUnavailable` naming the fix.
+Not enforced: total memory of a call with several processes (the limits are per process; no cgroup is
+used), kernel memory in pipe buffers (bounded by the kernel's per-user ``fs.pipe-user-pages-soft``, 64 MiB
+per worker by default), total disk use (per-file size only; ``/scratch`` lives on the host's temp
+filesystem), CPU shares between workers, the size of the code sent, the kernel attack surface that remains
+(the filter is a deny list), and side channels. A program can forge its *own* result (status and output
+come from its process), never another call's. The pool must run as root (it creates the per-worker uids' processes) on
+Linux with bubblewrap and libseccomp installed; otherwise entering it raises :class:`SandboxUnavailable`
+naming the fix.
+
+Cleanup never costs capacity: a worker whose cleanup fails (its supervisor says so, or it dies) is killed
+and replaced; removing a dead worker's directory on the host takes no recursion and no long paths, and what
+it cannot remove the pool's close removes (or raises about).
 
 Lifecycle: ``async with SandboxPool(...) as pool`` starts the workers (``NEW → OPEN``); leaving the block,
 normally, on error or on cancellation, kills every worker and removes every scratch directory (``CLOSED``).
 Calls on a pool that is not open raise :class:`PoolStateError`. A call never raises for the program's own
-failure: a crash, a hang, a limit hit or cut output is a :class:`SandboxResult` with a typed ``error``
-(``sandbox_exception``, ``sandbox_timeout``, ``sandbox_cpu``, ``sandbox_memory``, ``sandbox_processes``,
-``sandbox_file_size``, ``sandbox_crash``, ``sandbox_output_truncated``). Cancelling a call kills its worker
+failure: a crash, a hang, a limit hit, a nonzero ``SystemExit`` or cut output is a :class:`SandboxResult` with a
+typed ``error`` (``sandbox_exception``, ``sandbox_exit``, ``sandbox_timeout``, ``sandbox_cpu``,
+``sandbox_memory``, ``sandbox_processes``, ``sandbox_file_size``, ``sandbox_crash``,
+``sandbox_output_truncated``). Cancelling a call kills its worker
 (a half-run program cannot be returned to the pool) and re-raises.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
+import functools
 import json
 import math
 import os
@@ -60,6 +80,7 @@ import anyio
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from rollopt.environments._sandbox_worker import remove_tree
 from rollopt.errors import ConfigError, ErrorRecord, RolloptError
 
 _WORKER_SCRIPT = Path(__file__).with_name("_sandbox_worker.py")
@@ -91,9 +112,12 @@ class SandboxLimits:
         timeout_s: wall-clock deadline of one call (queueing for a free worker not included).
         cpu_s: CPU seconds per process (a session's interpreter is one process for all its calls).
         memory_mb: address space per process, MiB.
-        max_processes: processes a call may run at once, its own included.
+        max_processes: processes and threads a call may run at once, its own included.
         file_size_mb: largest file a call may write, MiB.
         max_output_bytes: stdout+stderr bytes kept; the rest is counted and cut.
+        max_open_files: file descriptors per process. Each socket can hold up to ``net.core.wmem_default``
+            (usually 208 KiB) of kernel buffers that ``memory_mb`` does not count, so this bounds that memory
+            too (about 30 MiB per process at 256 on a default kernel; raising socket buffers is denied).
     """
 
     timeout_s: float = 10.0
@@ -102,9 +126,11 @@ class SandboxLimits:
     max_processes: int = 16
     file_size_mb: int = 16
     max_output_bytes: int = 16_384
+    max_open_files: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "file_size_mb", "max_output_bytes"):
+        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "file_size_mb", "max_output_bytes",
+                     "max_open_files"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
         if self.memory_mb < 64:
@@ -152,7 +178,9 @@ class _Worker:
 
     async def kill(self) -> None:
         """Kill the sandbox's namespace init: the kernel kills every process in the namespace before the init
-        can be reaped, and bwrap exits only after reaping it, so once bwrap is gone no sandboxed process runs."""
+        can be reaped, and bwrap exits only after reaping it, so once bwrap is gone no sandboxed process runs.
+        Then delete its scratch directory (whatever tree the program built); if that fails the directory is
+        left for the pool's close, which removes the pool's whole directory."""
         with anyio.CancelScope(shield=True):
             if self.init_pidfd is not None:
                 try:
@@ -165,7 +193,10 @@ class _Worker:
                 self.process.kill()
             await self.process.wait()
             await self.process.aclose()
-            await anyio.to_thread.run_sync(shutil.rmtree, self.scratch, True)
+            try:
+                await anyio.to_thread.run_sync(remove_tree, str(self.scratch))
+            except Exception:  # the pool's close tries again, and raises if the directory still stays
+                pass
 
 
 class SandboxPool:
@@ -215,6 +246,8 @@ class SandboxPool:
         if self._state is not PoolState.NEW:
             raise PoolStateError(f"a SandboxPool is entered once; this one is {self._state.value}")
         _check_host(self.bwrap)
+        self._seccomp = _seccomp_program()
+        assert len(self._seccomp) < 65536, "the filter must fit in a pipe's buffer"
         self._dir = Path(tempfile.mkdtemp(prefix="rollopt-sandbox-"))
         self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Worker](math.inf)
         self._tg = anyio.create_task_group()
@@ -253,11 +286,13 @@ class SandboxPool:
         with anyio.CancelScope(shield=True):
             self._idle_send.close()
             self._idle_recv.close()
-            for worker in list(self._workers):
-                await self._drop(worker)
-            await anyio.to_thread.run_sync(shutil.rmtree, self._dir, True)
-        self._state = PoolState.CLOSED
-        self._notify()
+            try:
+                for worker in list(self._workers):
+                    await self._drop(worker)
+            finally:
+                self._state = PoolState.CLOSED
+                self._notify()
+                await anyio.to_thread.run_sync(remove_tree, str(self._dir))  # raises if a directory stays
 
     async def wait_ready(self) -> None:
         """Wait until ``size`` warm workers are idle (e.g. after failures, for their replacements)."""
@@ -360,6 +395,8 @@ class SandboxPool:
             await self._drop(worker, replace=not session)
             message = f"the program ran past its {timeout:g}s deadline; its sandbox was killed"
             return SandboxResult("", ErrorRecord("sandbox_timeout", message, {"timeout_s": timeout}))
+        if reply.get("retire"):  # it could not clean up after the call: a fresh sandbox takes its place
+            await self._drop(worker, replace=not session)
         return _result(reply, self.limits)
 
     async def _drop(self, worker: _Worker, replace: bool = False) -> None:
@@ -367,11 +404,13 @@ class SandboxPool:
         if worker not in self._workers:
             return
         self._workers.discard(worker)
-        await worker.kill()
-        self._free_slots.append(worker.slot)
-        if replace and self._state is PoolState.OPEN:
-            self._tg.start_soon(self._replace)
-        self._notify()
+        try:
+            await worker.kill()
+        finally:  # whatever killing it did, the pool keeps its capacity
+            self._free_slots.append(worker.slot)
+            if replace and self._state is PoolState.OPEN:
+                self._tg.start_soon(self._replace)
+            self._notify()
 
     async def _replace(self) -> None:
         """Start one worker; a failure (e.g. the machine is out of memory) is retried after a pause."""
@@ -387,17 +426,23 @@ class SandboxPool:
         scratch = Path(tempfile.mkdtemp(prefix=f"w{slot}-", dir=self._dir))
         os.chown(scratch, uid, uid)
         info_r, info_w = os.pipe()
+        filter_r, filter_w = os.pipe()
         try:
+            try:
+                os.write(filter_w, self._seccomp)  # under a KiB: the pipe holds it until bwrap reads it
+            finally:
+                os.close(filter_w)
             with anyio.CancelScope(shield=True):  # a process started but not handed back would leak
-                process = await anyio.open_process(_command(self.bwrap, scratch, info_w, self._worker_config(uid)),
-                                                   pass_fds=(info_w,), start_new_session=True)
+                command = _command(self.bwrap, scratch, info_w, filter_r, self._worker_config(uid))
+                process = await anyio.open_process(command, pass_fds=(info_w, filter_r), start_new_session=True)
         except BaseException:
             self._free_slots.append(slot)
             os.close(info_r)
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_tree(str(scratch))
             raise
         finally:
             os.close(info_w)
+            os.close(filter_r)
         reply_cap = 6 * self.limits.max_output_bytes + 4096
         worker = _Worker(process, slot, scratch, reply_cap)
         self._workers.add(worker)
@@ -424,7 +469,8 @@ class SandboxPool:
         limits = self.limits
         return {"uid": uid, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20,
                 "file_size_bytes": limits.file_size_mb << 20, "max_processes": limits.max_processes,
-                "max_output_bytes": limits.max_output_bytes, "scratch": "/scratch"}
+                "max_open_files": limits.max_open_files, "max_output_bytes": limits.max_output_bytes,
+                "scratch": "/scratch"}
 
 
 def _check_host(bwrap: str) -> None:
@@ -438,14 +484,70 @@ def _check_host(bwrap: str) -> None:
                                  "so that process limits are per worker")
 
 
-def _command(bwrap: str, scratch: Path, info_fd: int, config: dict) -> list[str]:
-    """The bwrap command line of one worker: new pid/net/ipc/uts namespaces, a read-only /usr and interpreter
-    prefix, a private writable /scratch, nothing else of the host's filesystem."""
+# Syscalls a tool never needs, denied (EPERM) to everything in the sandbox by the filter bwrap loads before
+# it starts the supervisor. Grouped by what they would give a program.
+_DENIED_SYSCALLS = (
+    # new namespaces, mounts, a way out of the sandbox's own namespaces
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsconfig", "fsmount", "fspick",
+    "move_mount", "open_tree", "mount_setattr", "open_by_handle_at",
+    # state that outlives a call, or memory outside RLIMIT_AS: the kernel keyring (per uid, not per namespace),
+    # SysV IPC and POSIX message queues (per IPC namespace, i.e. per worker, not per call), memfds
+    "keyctl", "add_key", "request_key", "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv",
+    "msgctl", "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_unlink", "mq_timedsend",
+    "mq_timedreceive", "mq_notify", "mq_getsetattr", "memfd_create", "memfd_secret",
+    # other processes' memory, and kernel attack surface no tool uses
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "bpf", "perf_event_open",
+    "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "lookup_dcookie", "uselib",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "quotactl", "syslog", "iopl", "ioperm", "vhangup", "settimeofday", "clock_settime",
+    "clock_adjtime",
+)
+# clone() with a namespace flag is unshare() by another name (its flags are argument 0 on x86-64 and arm64).
+_CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
+                          0x00000080)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+# Growing a socket's buffers past the kernel's default: kernel memory that RLIMIT_AS does not count.
+_SOL_SOCKET = 1
+_SOCKET_BUFFER_OPTIONS = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
+
+
+@functools.cache
+def _seccomp_program() -> bytes:
+    """The BPF program bwrap loads (``--seccomp FD``), built by libseccomp: allow by default; deny
+    :data:`_DENIED_SYSCALLS`, namespace-making ``clone`` and growing socket buffers with EPERM; answer
+    ``clone3`` (whose flags sit in memory a filter cannot read) with ENOSYS so that libc falls back to
+    ``clone``; kill a process that makes a syscall of another ABI (e.g. i386 or x32 on x86-64), which the
+    rules do not cover."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, RuntimeError) as exc:  # RuntimeError: libseccomp.so.2 is missing
+        raise SandboxUnavailable(f"the sandbox's syscall filter needs libseccomp and pyseccomp ({exc}); install "
+                                 "them with `apt-get install -y libseccomp2` and `pip install pyseccomp`") from None
+    program = seccomp.SyscallFilter(seccomp.ALLOW)
+    program.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+    for name in _DENIED_SYSCALLS:
+        if seccomp.resolve_syscall(seccomp.Arch.NATIVE, name) != -1:  # -1: this libseccomp does not know it
+            program.add_rule(seccomp.ERRNO(errno.EPERM), name)
+    for flag in _CLONE_NAMESPACE_FLAGS:
+        program.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    program.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for option in _SOCKET_BUFFER_OPTIONS:
+        program.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.EQ, _SOL_SOCKET),
+                         seccomp.Arg(2, seccomp.EQ, option))
+    with tempfile.TemporaryFile() as out:
+        program.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def _command(bwrap: str, scratch: Path, info_fd: int, seccomp_fd: int, config: dict) -> list[str]:
+    """The bwrap command line of one worker: new pid/net/ipc/uts namespaces, the syscall filter read from
+    ``seccomp_fd``, a read-only /usr and interpreter prefix, a private writable /scratch, nothing else of the
+    host's filesystem."""
     python = os.path.realpath(sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
     args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox", "--info-fd", str(info_fd),
-            "--ro-bind", "/usr", "/usr"]
+            "--seccomp", str(seccomp_fd), "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/lib", "/lib32", "/lib64", "/sbin"):
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
@@ -485,20 +587,23 @@ async def _read_stderr(process: Process) -> str:
     return ""
 
 
-_KINDS = {"exception": "sandbox_exception", "memory": "sandbox_memory", "file_size": "sandbox_file_size",
-          "processes": "sandbox_processes", "cpu": "sandbox_cpu", "crash": "sandbox_crash"}
+_KINDS = {"exception": "sandbox_exception", "exit": "sandbox_exit", "memory": "sandbox_memory",
+          "file_size": "sandbox_file_size", "processes": "sandbox_processes", "cpu": "sandbox_cpu",
+          "crash": "sandbox_crash"}
 
 
 def _result(reply: dict, limits: SandboxLimits) -> SandboxResult:
     """Turn the supervisor's reply into a result; unknown statuses count as crashes."""
     output, omitted, status = str(reply.get("output", "")), int(reply.get("omitted", 0)), reply.get("status")
+    exit_code = int(reply.get("exit_code", 0))
     if omitted:
         output += f"\n[... {omitted} more bytes of output cut: the limit is {limits.max_output_bytes} bytes]"
     messages = {
         "exception": "the program raised an exception (the traceback is in the output)",
+        "exit": f"the program exited with status {exit_code} (SystemExit)",
         "memory": f"the program ran out of memory (limit {limits.memory_mb} MiB per process)",
         "file_size": f"the program wrote a file past the {limits.file_size_mb} MiB limit",
-        "processes": f"the program tried to run more than {limits.max_processes} processes",
+        "processes": f"the program tried to run more than {limits.max_processes} processes and threads",
         "cpu": f"the program used up its {limits.cpu_s}s of CPU time",
         "crash": "the program's process died before it finished (a signal, os._exit, or a broken runtime)",
     }
@@ -510,5 +615,6 @@ def _result(reply: dict, limits: SandboxLimits) -> SandboxResult:
                             f"{omitted} bytes were cut", {"omitted_bytes": omitted})
     else:
         kind = _KINDS.get(str(status), "sandbox_crash")
-        error = ErrorRecord(kind, messages[kind.removeprefix("sandbox_")], {"omitted_bytes": omitted})
+        details = {"omitted_bytes": omitted} | ({"exit_code": exit_code} if kind == "sandbox_exit" else {})
+        error = ErrorRecord(kind, messages[kind.removeprefix("sandbox_")], details)
     return SandboxResult(output, error, restarted)

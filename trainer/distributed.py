@@ -152,6 +152,7 @@ class Replica:
     update_config: "UpdateConfig"
     off_policy: OffPolicyConfig
     pad_token_id: int
+    temperature: float  # the rollout's sampling temperature (the trainer scores logits / temperature)
 
 
 @dataclass(frozen=True)
@@ -164,12 +165,14 @@ class UpdateOrder:
 
 
 def send_replica(dp: SingleProcess, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 update_config: "UpdateConfig", off_policy: OffPolicyConfig, pad_token_id: int) -> None:
+                 update_config: "UpdateConfig", off_policy: OffPolicyConfig, pad_token_id: int,
+                 temperature: float = 1.0) -> None:
     """Rank 0's half of :func:`rollopt.trainer.torchrun.follow`'s start (nothing to do in one process)."""
     if not isinstance(dp, DataParallel):
         return
     dp.broadcast_parameters(model)
-    dp.broadcast_object(Replica(type(optimizer), optimizer.state_dict(), update_config, off_policy, pad_token_id))
+    dp.broadcast_object(Replica(type(optimizer), optimizer.state_dict(), update_config, off_policy, pad_token_id,
+                                  temperature))
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 6 * 3600) -> DataParallel:

@@ -61,7 +61,7 @@ from rollopt.trainer.checkpoint import TrainState, latest_checkpoint, load_check
 from rollopt.trainer.distributed import SingleProcess, UpdateOrder, send_replica
 from rollopt.trainer.metrics import rollout_metrics
 from rollopt.trainer.recipe import Recipe
-from rollopt.trainer.update import UpdateConfig, policy_update
+from rollopt.trainer.update import policy_update
 from rollopt.trainer.warm_start import warm_start
 
 
@@ -129,10 +129,7 @@ class Trainer:
         a = recipe.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
                                            betas=tuple(a.adam_betas))
-        self.update_config = UpdateConfig(advantage=a.advantage, loss_agg=a.loss_agg, eps_low=a.eps_low,
-                                          eps_high=a.eps_high, dual_clip_c=a.dual_clip_c, grad_clip=a.grad_clip,
-                                          minibatches=a.minibatches, micro_batch=a.micro_batch,
-                                          temperature=recipe.rollout.temperature)
+        self.update_config = recipe.algorithm
         self.state = TrainState(step=0, version=0)
         self.weights = WeightHistory(keep=recipe.max_ahead + 2)  # covers a straggler resumed once past the bound
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -219,7 +216,8 @@ class Trainer:
                                            temperature=self.recipe.rollout.temperature, pad_token_id=self.pad_token_id)
                 self.dp.broadcast_object(UpdateOrder(current, self.optimizer.param_groups[0]["lr"], trajs))
                 return {**split, **policy_update(self.model, self.optimizer, trajs, current, self.update_config,
-                                                 self.recipe.off_policy, self.pad_token_id, self.dp)}
+                                                 self.recipe.off_policy, self.pad_token_id, self.dp,
+                                                 self.recipe.rollout.temperature)}
 
             metrics.update(await anyio.to_thread.run_sync(attribute_and_update))
         t1 = time.perf_counter()
@@ -283,7 +281,7 @@ class Trainer:
 
         async with self._engine() as engine:
             await anyio.to_thread.run_sync(send_replica, self.dp, self.model, self.optimizer, self.update_config,
-                                           self.recipe.off_policy, self.pad_token_id)
+                                           self.recipe.off_policy, self.pad_token_id, self.recipe.rollout.temperature)
             out = await self.run_with_engine(engine)
             # the other ranks stop; on a failure torchrun stops them (a stop sent then could meet another collective)
             await anyio.to_thread.run_sync(self.dp.broadcast_object, None)

@@ -18,6 +18,7 @@ from rollopt.config import check_value
 from rollopt.errors import ConfigError
 from rollopt.trainer.losses import LOSS_AGGREGATIONS
 from rollopt.trainer.offpolicy import OffPolicyConfig
+from rollopt.trainer.update import UpdateConfig
 
 MODES = ("sync", "one-step-off", "async")
 
@@ -67,22 +68,6 @@ class RolloutSection:
 
 
 @dataclass(frozen=True)
-class AlgorithmSection:
-    advantage: str = "grpo"
-    loss_agg: str = "token-mean"
-    eps_low: float = 0.2  # PPO ratio clip range [1 − eps_low, 1 + eps_high]; the default is asymmetric,
-    eps_high: float = 0.28  # DAPO's clip-higher; eps_high = 0.2 gives the symmetric PPO/GRPO clip
-    dual_clip_c: float | None = 3.0
-    lr: float = 1e-3
-    lr_warmup_steps: int = 0  # linear warm-up of the learning rate over this many training steps
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    minibatches: int = 1  # optimizer steps per batch
-    micro_batch: int = 16  # rows per forward/backward (gradient accumulation); does not change the loss
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-
-
-@dataclass(frozen=True)
 class LoopSection:
     mode: str = "sync"  # "sync", "one-step-off" or "async" (rollout up to max_staleness batches ahead)
     steps: int = 20
@@ -103,7 +88,7 @@ class Recipe:
     environment: EnvironmentSection = field(default_factory=EnvironmentSection)
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    algorithm: UpdateConfig = field(default_factory=UpdateConfig)
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     loop: LoopSection = field(default_factory=LoopSection)
     attribution: AttributionSection = field(default_factory=AttributionSection)

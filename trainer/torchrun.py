@@ -38,7 +38,7 @@ def follow(dp: DataParallel, recipe: Recipe) -> int:
         for group in optimizer.param_groups:
             group["lr"] = order.lr
         policy_update(model, optimizer, order.trajectories, order.version, replica.update_config,
-                      replica.off_policy, replica.pad_token_id, dp)
+                      replica.off_policy, replica.pad_token_id, dp, replica.temperature)
         updates += 1
     return updates
 

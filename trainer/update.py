@@ -39,15 +39,33 @@ from rollopt.trainer.scoring import score
 
 @dataclass(frozen=True)
 class UpdateConfig:
+    """The algorithm: a recipe's ``[algorithm]`` section, consumed as is by :func:`policy_update` and the
+    optimizer."""
+
     advantage: str = "grpo"
+    """Group-relative estimator: ``grpo``, ``dr_grpo`` or ``rloo`` (:mod:`rollopt.trainer.advantages`)."""
     loss_agg: str = "token-mean"
-    eps_low: float = 0.2  # the ratio is clipped to [1 − eps_low, 1 + eps_high]: asymmetric by default,
-    eps_high: float = 0.28  # DAPO's clip-higher (0.28 > 0.2); set eps_high = 0.2 for the symmetric PPO/GRPO clip
+    """``token-mean``, ``seq-mean-token-sum`` or ``seq-mean-token-mean`` (:mod:`rollopt.trainer.losses`)."""
+    eps_low: float = 0.2
+    """The ratio is clipped to [1 − eps_low, 1 + eps_high]."""
+    eps_high: float = 0.28
+    """Asymmetric by default: DAPO's clip-higher (0.28 > 0.2); 0.2 gives the symmetric PPO/GRPO clip."""
     dual_clip_c: float | None = 3.0
+    """Dual-clip bound on negative-advantage tokens (None: off)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up of the learning rate over this many training steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 1.0
+    """Global gradient-norm clip."""
     minibatches: int = 1
+    """Optimizer steps per batch."""
     micro_batch: int = 16
-    temperature: float = 1.0  # the sampling temperature: the engine's logprobs are of logits / temperature
+    """Rows per forward/backward (gradient accumulation); does not change the loss."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
 
 
 def token_advantages(trajectories: Sequence[Trajectory], batch: TrainBatch, estimator: str) -> torch.Tensor:
@@ -72,14 +90,15 @@ class Tempered(torch.nn.Module):
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trajectories: Sequence[Trajectory],
                   current_version: int, config: UpdateConfig, off_policy: OffPolicyConfig,
-                  pad_token_id: int = 0, data_parallel: SingleProcess | None = None) -> dict[str, float]:
+                  pad_token_id: int = 0, data_parallel: SingleProcess | None = None,
+                  temperature: float = 1.0) -> dict[str, float]:
     """Update ``model`` in place on ``trajectories`` (see the module docstring); returns step metrics. With
     ``data_parallel`` (:class:`rollopt.trainer.distributed.DataParallel`) every rank passes the whole batch and
     trains on its share of the rows, with the same result as one process (see that module)."""
     if not trajectories:
         raise ValueError("policy_update() needs at least one trajectory")
     dp = data_parallel or SingleProcess()
-    scorer = Tempered(model, config.temperature)
+    scorer = Tempered(model, temperature)  # the engine's logprobs are of logits / the sampling temperature
     batch = collate(trajectories, "padded", pad_token_id=pad_token_id)
     advantages = token_advantages(trajectories, batch, config.advantage)
     advantage_abs_mean = float(advantages[:, 0].abs().mean())
