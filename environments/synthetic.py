@@ -54,7 +54,7 @@ class SyntheticEnv(Environment):
     """
 
     name = "synthetic"
-    end_on_truncated_turn = False
+    plans_calls = True
 
     def __init__(self, turns: tuple[int, int] = (2, 4), tokens_per_turn: tuple[int, int] = (16, 32),
                  tools_per_turn: int = 1, tool_latency_s: float = 0.05, tool_sigma: float = 1.0,

@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     "BadRequestError": "rollopt.errors",
+    "BenchRun": "rollopt.benchmark.runner",
+    "CarryOver": "rollopt.episodes",
     "ChatRenderer": "rollopt.chat",
     "ConfigError": "rollopt.errors",
     "Engine": "rollopt.engines.base",
@@ -21,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "EngineInfo": "rollopt.engines.base",
     "EnvError": "rollopt.errors",
     "Environment": "rollopt.step",
+    "EpisodeContext": "rollopt.step",
     "EpisodeSpec": "rollopt.executor",
     "ErrorRecord": "rollopt.errors",
     "FinishReason": "rollopt.engines.base",
@@ -53,14 +56,23 @@ _EXPORTS: dict[str, str] = {
     "TrainBatch": "rollopt.batch",
     "Trajectory": "rollopt.trajectory",
     "Turn": "rollopt.trajectory",
+    "ValidationConfig": "rollopt.validate",
+    "Workload": "rollopt.benchmark.workloads",
+    "bench": "rollopt.benchmark.runner",
+    "build_engine": "rollopt.engines",
     "collate": "rollopt.batch",
+    "environment_workload": "rollopt.benchmark.workloads",
     "episode_specs": "rollopt.executor",
     "execute_tool_call": "rollopt.step",
     "load_trajectories": "rollopt.storage",
     "parse_tool_calls": "rollopt.toolcalls",
+    "register_engine": "rollopt.engines",
+    "register_environment": "rollopt.environments",
+    "register_scheduler": "rollopt.schedulers",
     "run_rollout": "rollopt.executor",
     "save_trajectories": "rollopt.storage",
     "tool": "rollopt.step",
+    "validate_policies": "rollopt.validate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -58,8 +58,10 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
     from rollopt.benchmark.workloads import get_workload
     from rollopt.schedulers import build_scheduler
+    from rollopt.trainer.recipe import parse_options
 
-    workload = get_workload(args.workload, tasks=args.tasks, group_size=args.group_size, model=args.model)
+    workload = get_workload(args.workload, parse_options(args.env_option), tasks=args.tasks,
+                            group_size=args.group_size, model=args.model)
     schedulers = tuple(s.strip() for s in args.schedulers.split(",") if s.strip())
     for name in schedulers:
         build_scheduler(name)  # a typo fails before the model loads
@@ -79,8 +81,10 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from rollopt.display import train_step_line
     from rollopt.trainer.loop import Trainer
     from rollopt.trainer.recipe import load_recipe
+    from rollopt.trainer.trackers import parse_track
 
-    recipe = load_recipe(args.recipe, [*args.overrides, *([f"loop.steps={args.steps}"] if args.steps else [])])
+    track = [f"tracking.backends={list(parse_track(args.track))!r}"] if args.track is not None else []
+    recipe = load_recipe(args.recipe, [*args.overrides, *([f"loop.steps={args.steps}"] if args.steps else []), *track])
     out = args.out or Path("runs") / recipe.name
     if not args.quiet:
         console.print(f"[bold]{recipe.name}[/]: mode {recipe.loop.mode}, scheduler {recipe.rollout.scheduler}, "
@@ -107,21 +111,21 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
-    import json
-
     from rollopt.display import validate_table
+    from rollopt.environments import build_environment
     from rollopt.schedulers import SCHEDULERS
-    from rollopt.validate import validate
+    from rollopt.trainer.recipe import parse_options
+    from rollopt.validate import save_results, validate_policies
 
     specs = sorted(SCHEDULERS) if args.all or not args.scheduler else [args.scheduler]
+    env = build_environment(args.env, **parse_options(args.env_option)) if args.env else None
     row = (lambda r: None) if args.quiet else (lambda r: console.print(f"{r.scheduler:>24} {r.check:<13} "
                                                                        f"{'pass' if r.passed else 'FAIL'}"))
     with _frozen_startup_heap():
-        results = anyio.run(lambda: validate(specs, None, row, e2e=args.e2e))
+        results = anyio.run(lambda: validate_policies(specs, None, row, args.e2e, env, args.check or None))
     console.print(validate_table(results))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2))
+        save_results(results, args.json)
     return 0 if all(r.passed for r in results) else 1
 
 

@@ -44,7 +44,10 @@ def add_commands(parser: argparse.ArgumentParser, handlers: dict[str, Callable])
                   model="tiny", tasks=4, group=4)
     bench = command("bench", "run scheduling policies side by side on one workload; print the speedup")
     bench.add_argument("--workload", default="tool-heavy",
-                       help="tool-heavy, long-tail, branching, group-prefix or calculator")
+                       help="tool-heavy, long-tail, branching, group-prefix, calculator, or an environment: a "
+                            "registered name, pkg.module:Class or file.py:Class")
+    bench.add_argument("--env-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                       help="an option of the environment's constructor (repeatable; TOML values)")
     bench.add_argument("--engine", default="local",
                        help="a registered engine: local (embedded), sglang (a server started for the model)")
     bench.add_argument("--schedulers", default=BENCH_POLICIES,
@@ -62,6 +65,9 @@ def add_commands(parser: argparse.ArgumentParser, handlers: dict[str, Callable])
     train.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
     train.add_argument("--steps", type=int, default=None, help="shorthand for loop.steps=N")
+    train.add_argument("--track", default=None, metavar="BACKENDS",
+                       help="experiment trackers, comma-separated: tensorboard, wandb (W&B offline unless "
+                            "tracking.wandb_mode=online); overrides the recipe's [tracking] backends")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. loop.mode=sync rollout.scheduler=sync")
     report = command("report", "plots and a summary of a training run: learning, staleness, mismatch, time")
     report.add_argument("run_dir", type=Path, help="a directory written by rollopt train")
@@ -69,7 +75,13 @@ def add_commands(parser: argparse.ArgumentParser, handlers: dict[str, Callable])
     validate = command("validate", "check that each policy keeps the semantics of its risk class")
     validate.add_argument("--scheduler", default=None, help="one policy (e.g. overlap+prefix); default: --all")
     validate.add_argument("--all", action="store_true", help="every registered policy")
+    validate.add_argument("--env", default=None, help="check on this environment (name, pkg.module:Class, "
+                                                      "file.py:Class) instead of the synthetic workload")
+    validate.add_argument("--env-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                          help="an option of the environment's constructor (repeatable; TOML values)")
     validate.add_argument("--json", type=Path, default=None, help="write one record per check")
+    validate.add_argument("--check", action="append", default=[], metavar="NAME",
+                          help="run only this check of each policy's risk class (repeatable), e.g. token-parity")
     validate.add_argument("--e2e", action="store_true",
                           help="also a short training run per policy: reward curve vs sync (slower, ~10 s each)")
     serve = command("serve-sglang", "run an SGLang server (sglang==0.5.23, CPU) for an HF model directory")

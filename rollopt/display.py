@@ -1,12 +1,14 @@
-"""Readable console output of trajectories (rich)."""
+"""Readable console output (rich): trajectories, the rollout summary, a training step's line, the validate
+table. Tables and lines fit the console they are printed on (:mod:`rollopt.tables`); nothing here prints
+except :func:`print_trajectory`."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rich.console import Console
-from rich.table import Table
 
+from rollopt.tables import Column, FitLine, FitTable
 from rollopt.trajectory import TokenKind, Trajectory
 
 
@@ -30,39 +32,62 @@ def print_trajectory(console: Console, traj: Trajectory, tokenizer: Any) -> None
         console.print(f"error {traj.error.kind}: {traj.error.message}", markup=False, highlight=False)
 
 
-def summary_table(trajectories: Sequence[Trajectory], wall_s: float, stats: Any) -> Table:
+SUMMARY_COLUMNS = [
+    Column("trajectories", "trajectories"),
+    Column("reward", "mean reward", "{:.2f}"),
+    Column("tool_calls", "tool calls", priority=1),
+    Column("generated", "generated tokens", priority=1),
+    Column("prefill", "prefill computed", priority=2),
+    Column("cached", "prefill cached", priority=2),
+    Column("wall_s", "wall s", "{:.1f}"),
+    Column("tok_s", "gen tok/s", "{:.1f}"),
+]
+
+
+def summary_table(trajectories: Sequence[Trajectory], wall_s: float, stats: Any) -> FitTable:
+    """One row: the rollout's totals (prefill counts from the engine's ``stats``; ``-`` for an engine that keeps
+    none). A :class:`rollopt.tables.FitTable`, so it fits the console it is printed on (or
+    :func:`rollopt.tables.render_text` for a string)."""
     n = len(trajectories)
-    rewards = [t.reward or 0.0 for t in trajectories]
-    table = Table(title="rollout summary")
-    for col in ("trajectories", "mean reward", "tool calls", "generated tokens", "prefill computed",
-                "prefill cached", "wall s", "gen tok/s"):
-        table.add_column(col, justify="right")
     generated = sum(t.num_generated for t in trajectories)
-    table.add_row(str(n), f"{sum(rewards) / max(n, 1):.2f}", str(sum(len(t.tool_calls) for t in trajectories)),
-                  str(generated), str(getattr(stats, "prefill_tokens", "-")), str(getattr(stats, "cached_tokens", "-")),
-                  f"{wall_s:.1f}",
-                  f"{generated / wall_s:.1f}")
-    return table
+    row = {"trajectories": n, "reward": sum(t.reward or 0.0 for t in trajectories) / max(n, 1),
+           "tool_calls": sum(len(t.tool_calls) for t in trajectories), "generated": generated,
+           "prefill": getattr(stats, "prefill_tokens", None), "cached": getattr(stats, "cached_tokens", None),
+           "wall_s": wall_s,
+           "tok_s": generated / wall_s}
+    return FitTable([row], SUMMARY_COLUMNS, title="rollout summary")
 
 
-def validate_table(results: Sequence[Any]) -> Table:
-    """``rollopt validate``'s table: one row per check."""
-    table = Table(title="rollopt validate · local · tiny-llama")
-    for col in ("scheduler", "risk", "check", "passed", "statistic", "p", "n"):
-        table.add_column(col, justify="right")
-    for r in results:
-        table.add_row(r.scheduler, r.risk_class or "-", r.check, "yes" if r.passed else "[red]NO[/]",
-                      f"{r.statistic:.3g}", "-" if r.p_value is None else f"{r.p_value:.3g}", str(r.n))
-    return table
+def train_step_line(m: Mapping[str, Any]) -> FitLine:
+    """A training step's metrics as one line; at 80 columns the mismatch, then KL and staleness, then the
+    version, length and times are left out (they are all in ``metrics.jsonl``)."""
+    nan = float("nan")
+    fields = [(f"step {m['step']:>3}", 0), (f"v{m['policy_version']:<3}", 1), (f"reward {m['reward_mean']:.3f}", 0)]
+    if "eval_reward" in m:
+        fields.append((f"eval {m['eval_reward']:.3f}", 0))
+    fields += [(f"len {m['response_length_mean']:.0f}", 1), (f"kl {m.get('ppo_kl', nan):.1e}", 2)]
+    if m.get("staleness/mean") is not None:
+        fields.append((f"stale {m['staleness/mean']:.2f}", 2))
+    fields += [(f"|Δlogp|₀ {m.get('mismatch/lag0/abs_dlogp', nan):.1e}", 3),
+               (f"rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s", 1)]
+    return FitLine(fields)
 
 
-def train_step_line(m: dict[str, Any]) -> str:
-    """One line per training step: version, reward, length, KL, staleness, mismatch, accounting, times."""
-    stale = m.get("staleness/mean")
-    return (f"step {m['step']:>3}  v{m['policy_version']:<3} reward {m['reward_mean']:.3f}"
-            + (f"  eval {m['eval_reward']:.3f}" if "eval_reward" in m else "")
-            + f"  len {m['response_length_mean']:.0f}  kl {m.get('ppo_kl', float('nan')):.1e}"
-            + (f"  stale {stale:.2f}" if stale is not None else "")
-            + f"  |Δlogp|₀ {m.get('mismatch/lag0/abs_dlogp', float('nan')):.1e}"
-            + f"  trained {m['trained']}/{m['started']} started, carried {m['carried']}"
-            + f"  rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s")
+VALIDATE_COLUMNS = [
+    Column("scheduler", "scheduler", justify="left"),
+    Column("risk", "risk", priority=1),
+    Column("check", "check", justify="left"),
+    Column("passed", "passed", style=lambda v: "red" if v == "NO" else ""),
+    Column("statistic", "statistic", "{:.3g}", priority=1),
+    Column("p", "p", priority=1),
+    Column("n", "n", priority=2),
+]
+
+
+def validate_table(results: Sequence[Any]) -> FitTable:
+    """``rollopt validate``'s checks (:class:`rollopt.validate.CheckResult`), one row each; the dropped columns
+    are in ``--json``."""
+    rows = [{"scheduler": r.scheduler, "risk": r.risk_class or "-", "check": r.check,
+             "passed": "yes" if r.passed else "NO", "statistic": r.statistic,
+             "p": "-" if r.p_value is None else f"{r.p_value:.3g}", "n": r.n} for r in results]
+    return FitTable(rows, VALIDATE_COLUMNS, title="rollopt validate · local · tiny-llama", more_hint="--json")

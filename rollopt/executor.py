@@ -42,7 +42,7 @@ from rollopt.episodes import CarriedTrajectory, CarryOver, EpisodeSpec, episode_
 from rollopt.errors import ConfigError, EngineError, ErrorRecord
 from rollopt.graph import RolloutGraph
 from rollopt.schedulers import Policy, RolloutView, Stage, TrajectoryView, build_scheduler
-from rollopt.step import Environment, ToolContext, execute_tool_call
+from rollopt.step import Environment, EpisodeContext, ToolContext, accepts_context, execute_tool_call
 from rollopt.toolcalls import CLOSE_TAG, ParsedTurn, ToolCallStream
 from rollopt.trajectory import Status, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
 
@@ -171,6 +171,7 @@ class _Batch:
                                                              executor.policy)
         self._preempts, self.clock = executor._preempts, executor.clock
         self._tools, self._tool_schemas = executor._tools, executor._tool_schemas
+        self._step_ctx, self._score_ctx = accepts_context(self.env.step), accepts_context(self.env.score)
         self._graph, self._t0 = RolloutGraph(), self.clock()
         self._target = target_groups
         self._max_context = max_context
@@ -246,6 +247,11 @@ class _Batch:
 
     def _now(self) -> float:
         return self.clock() - self._t0
+
+    @staticmethod
+    def _context(run: TrajectoryRun, accepted: bool) -> dict[str, EpisodeContext]:
+        """The ``context`` keyword for an environment hook that takes it (none for one that does not)."""
+        return {"context": EpisodeContext(run.id, run.spec.task, run.turn, run.traj)} if accepted else {}
 
     # ------------------------------------------------------------------------------------------ state
     def view(self) -> RolloutView:
@@ -484,9 +490,11 @@ class _Batch:
         parsed = self._record_turn(run, reason.value)
         if reason is FinishReason.ABORT:
             self._end(run, Status.ABORTED)
-        elif reason is FinishReason.LENGTH and (self.env.end_on_truncated_turn or len(run.traj) >= self._max_context):
-            # a turn cut by max_new_tokens (unless the environment decides) or by the context ends the episode
-            run.traj.reward = self.env.score(run.spec.task, parsed.content)
+        elif reason is FinishReason.LENGTH and ((self.env.end_on_truncated_turn and not self.env.plans_calls)
+                                                or len(run.traj) >= self._max_context):
+            # a turn cut by max_new_tokens (unless the environment decides or plans it) or by the context ends
+            # the episode
+            run.traj.reward = self.env.score(run.spec.task, parsed.content, **self._context(run, self._score_ctx))
             self._end(run, Status.TRUNCATED)
         else:
             run.pending = parsed
@@ -540,7 +548,7 @@ class _Batch:
             return False  # the turn's tokens stay; its tools run again when it resumes
         turn.tool_results = results
         try:
-            outcome = self.env.step(run.spec.task, run.turn, parsed, results)
+            outcome = self.env.step(run.spec.task, run.turn, parsed, results, **self._context(run, self._step_ctx))
         except Exception as exc:  # the environment broke its contract: this episode fails, its tokens stay
             self._end(run, Status.FAILED, ErrorRecord.from_exception("env", exc, turn=run.turn))
             return True

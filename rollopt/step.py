@@ -379,6 +379,31 @@ class StepOutcome:
     reward_components: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EpisodeContext:
+    """What :meth:`Environment.step` and :meth:`Environment.score` may read about the episode so far: its
+    trajectory id, task and turn, and the trajectory itself (read it, never change it): every turn with its
+    text, tool calls and tool results (the current turn's included), and the token records."""
+
+    trajectory_id: str
+    task: Task
+    turn_index: int
+    trajectory: Any  # rollopt.trajectory.Trajectory
+
+    @property
+    def tool_results(self) -> list[ToolResult]:
+        """Every tool result of the episode so far, in order."""
+        return [r for turn in self.trajectory.turns for r in turn.tool_results]
+
+
+def accepts_context(method: Callable[..., Any]) -> bool:
+    """Whether an environment hook takes the ``context`` keyword (older environments' hooks do not)."""
+    try:
+        return "context" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class Environment(abc.ABC):
     """Base class of an environment. Subclasses set ``name``, implement :meth:`tasks`, :meth:`tools` and
     :meth:`score`, and may override :meth:`reset` and :meth:`step`.
@@ -389,6 +414,10 @@ class Environment(abc.ABC):
     * ``reset(task)`` returns at least one message, ending with a user message;
     * ``step`` never raises for bad model output: malformed calls and failed tools become observations;
     * a turn with no tool call ends the episode and is scored; so does reaching ``max_turns``.
+
+    ``step`` and ``score`` may take a keyword ``context`` (:class:`EpisodeContext`: the trajectory id, its
+    turns and every earlier tool result), for rewards that depend on what happened before the last turn; the
+    executor passes it to hooks whose signature has it.
     """
 
     name: ClassVar[str] = ""
@@ -399,6 +428,10 @@ class Environment(abc.ABC):
     tiny one) may do without them: the prompt gets several hundred tokens shorter."""
     end_on_truncated_turn: ClassVar[bool] = True
     """A turn cut by ``max_new_tokens`` ends the episode as truncated (set False to let ``step`` decide)."""
+    plans_calls: ClassVar[bool] = False
+    """The one switch for benchmarking with a model that writes no tool calls (a random-init one): the calls
+    come from :meth:`calls_for_turn` (planned), a turn cut by ``max_new_tokens`` does not end the episode (the
+    plan sets its length), and the default :meth:`step` goes on while planned calls ran."""
 
     @abc.abstractmethod
     def tasks(self, n: int, seed: int) -> list[Task]:
@@ -449,12 +482,15 @@ class Environment(abc.ABC):
         this to attach planned calls; the executor schedules them like any other call."""
         return parsed.tool_calls
 
-    def step(self, task: Task, turn_index: int, parsed: ParsedTurn, results: Sequence[ToolResult]) -> StepOutcome:
+    def step(self, task: Task, turn_index: int, parsed: ParsedTurn, results: Sequence[ToolResult],
+             context: EpisodeContext | None = None) -> StepOutcome:
         """Default flow: tool results (and parse errors) go back as ``tool`` messages; a turn without any
-        call, or the last allowed turn, ends the episode with ``score``."""
-        calls_made = parsed.tool_calls or parsed.errors
+        call (the model's, or planned ones when :attr:`plans_calls`), or the last allowed turn, ends the episode
+        with ``score`` (given ``context`` when it takes it)."""
+        calls_made = results if self.plans_calls else (parsed.tool_calls or parsed.errors)
         if not calls_made or turn_index + 1 >= self.max_turns:
-            return StepOutcome(observation=[], done=True, reward=self.score(task, parsed.content))
+            extra = {"context": context} if context is not None and accepts_context(self.score) else {}
+            return StepOutcome(observation=[], done=True, reward=self.score(task, parsed.content, **extra))
         observation: list[Message] = [
             {"role": "tool", "tool_call_id": r.call_id, "name": r.name, "content": r.content} for r in results
         ]

@@ -57,6 +57,8 @@ from rollopt.config import LocalEngineConfig
 from rollopt.engines import build_engine
 from rollopt.modeling import LoadedModel
 from rollopt.environments import SyntheticEnv
+from rollopt.step import Environment
+from rollopt.errors import ConfigError
 from rollopt.executor import RolloutExecutor, episode_specs
 from rollopt.schedulers import Policy, RiskClass, build_scheduler
 from rollopt.trajectory import Trajectory
@@ -118,14 +120,20 @@ def _env(cfg: ValidationConfig, long_tail: bool = False) -> SyntheticEnv:
 class Harness:
     """One tiny peaked model, its tokenizer and a fresh batch-invariant engine per run."""
 
-    def __init__(self, cfg: ValidationConfig) -> None:
+    def __init__(self, cfg: ValidationConfig, environment: Environment | None = None) -> None:
         from rollopt.modeling.tiny import build_model, build_tokenizer
 
         self.cfg = cfg
+        self.environment = environment  # a user's environment instead of the synthetic workload
         self.tokenizer = build_tokenizer()
         self.model = build_model(len(self.tokenizer), init_scale=0.5, seed=cfg.seed,
                                  eos_token_id=self.tokenizer.eos_token_id)
         self.renderer = ChatRenderer(self.tokenizer)
+
+    def make_env(self, long_tail: bool = False) -> Environment:
+        """The workload: the user's environment when one was given, else the synthetic one (``long_tail``: a
+        fifth of its tasks 6× longer, for the checks where stragglers matter)."""
+        return self.environment if self.environment is not None else _env(self.cfg, long_tail)
 
     def engine(self):
         """A fresh batch-invariant embedded engine (exact R1 parity needs invariant prefill), as an async
@@ -135,7 +143,7 @@ class Harness:
         return build_engine(cfg, LoadedModel(self.model.config, weights, self.tokenizer, "tiny-llama"))
 
     async def rollout(self, policy: Policy | str, tasks: int, group: int, temperature: float) -> list[Trajectory]:
-        env = _env(self.cfg)
+        env = self.make_env()
         specs = episode_specs(env.tasks(tasks, self.cfg.seed), group,
                               SamplingParams(max_new_tokens=64, temperature=temperature), self.cfg.seed)
         async with self.engine() as engine:
@@ -219,7 +227,7 @@ async def check_off_policy(h: Harness, spec: str | Policy, correction: str = "ti
 
     policy = _policy(spec)
     cfg = h.cfg
-    env = _env(cfg, long_tail=True)
+    env = h.make_env(long_tail=True)
     trained: list[Trajectory] = []
     lags: list[np.ndarray] = []
     mismatch: dict[str, float] = {}
@@ -272,7 +280,7 @@ async def _conservation_run(h: Harness, policy: Policy | str, extra_groups: int)
     """The check's rollout calls (see the module docstring): started ids, returned trajectories (in order), the
     final carry-over, and the largest carry-over seen."""
     cfg = h.cfg
-    env = _env(cfg, long_tail=True)
+    env = h.make_env(long_tail=True)
     started: list[str] = []
     returned: list[Trajectory] = []
     worst_groups = worst_age = 0
@@ -382,11 +390,26 @@ CHECKS: dict[str, Callable[..., Any]] = {"token-parity": check_token_parity, "di
                                          "off-policy": check_off_policy, "conservation": check_conservation}
 
 
-async def validate(specs: Sequence[str | Policy], cfg: ValidationConfig | None = None,
-                   on_result: Callable[[CheckResult], None] = lambda r: None, e2e: bool = False) -> list[CheckResult]:
-    """Run every check each policy's risk class demands, plus ``e2e`` when asked; baselines are computed once
-    and shared."""
-    h = Harness(cfg or ValidationConfig())
+def save_results(results: Sequence[CheckResult], path) -> None:
+    """Write one JSON record per check (``rollopt validate --json``)."""
+    import json
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps([r.to_dict() for r in results], indent=2))
+
+
+async def validate_policies(specs: Sequence[str | Policy], cfg: ValidationConfig | None = None,
+                   on_result: Callable[[CheckResult], None] = lambda r: None, e2e: bool = False,
+                   environment: Environment | None = None,
+                   checks: Sequence[str] | None = None) -> list[CheckResult]:
+    """Run every check each policy's risk class demands (only those named in ``checks``, when given), plus
+    ``e2e`` when asked; baselines are computed once and shared. ``environment``: check the policies on a user's environment (an instance) instead of the
+    synthetic workload; the tiny random-init model writes no tool calls, so give it planned calls
+    (``Environment.plans_calls``) to exercise its tools. ``e2e`` always trains on the synthetic workload."""
+    if unknown := sorted(set(checks or ()) - set(CHECKS)):
+        raise ConfigError(f"unknown check(s) {unknown}; known: {sorted(CHECKS)}")
+    h = Harness(cfg or ValidationConfig(), environment)
     c = h.cfg
     baselines: dict[str, list[Trajectory]] = {}
     sync_curve: list[float] | None = None
@@ -399,6 +422,8 @@ async def validate(specs: Sequence[str | Policy], cfg: ValidationConfig | None =
         else:
             results = []
             for check in CHECKS_BY_RISK[policy.risk_class]:
+                if checks is not None and check not in checks:
+                    continue
                 if check == "token-parity":
                     if check not in baselines:
                         baselines[check] = await h.rollout("sync", c.parity_tasks, c.parity_group, 0.0)

@@ -76,7 +76,7 @@ def test_rollout_bench_and_train_run_a_registered_engine_and_scheduler(toy_plugi
     (["rollout", "--scheduler", "overlap+prefx"], "unknown scheduler ['prefx']"),
     (["rollout", "--env", "calculatr"], "unknown environment 'calculatr'"),
     (["rollout", "-o", "dificulty=2"], "unexpected keyword argument 'dificulty'"),
-    (["rollout", "--engine", "sim"], "unknown engine 'sim'"),
+    (["rollout", "--engine", "simm"], "unknown engine 'simm'"),
     (["rollout", "--engine-option", "max_running=many"], "engine.max_running = 'many': expected int"),
     (["bench", "--workload", "swe"], "unknown workload 'swe'"),
     (["bench", "--schedulers", "sync,overlapp"], "unknown scheduler ['overlapp']"),

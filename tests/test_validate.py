@@ -10,7 +10,7 @@ import pytest
 
 from rollopt.schedulers import SCHEDULERS, Policy, RiskClass
 from rollopt.validate import (Harness, ValidationConfig, check_distribution, check_e2e, check_off_policy,
-                              check_token_parity, validate)
+                              check_token_parity, validate_policies)
 
 
 class TruncatingPolicy(Policy):
@@ -79,7 +79,7 @@ async def test_an_off_policy_rollout_without_a_correction_fails(harness):
 
 
 async def test_a_policy_without_a_risk_class_fails_validation():
-    results = await validate([UndeclaredPolicy()], ValidationConfig())
+    results = await validate_policies([UndeclaredPolicy()], ValidationConfig())
     assert [(r.check, r.passed) for r in results] == [("risk-class", False)]
 
 

@@ -133,6 +133,7 @@ class Trainer:
         self.state = TrainState(step=0, version=0)
         self.weights = WeightHistory(keep=recipe.max_ahead + 2)  # covers a straggler resumed once past the bound
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.trackers: list = []  # built by run(), for its duration (rollopt.trainer.trackers)
         checkpoint = latest_checkpoint(self.out_dir / "checkpoints") if resume else None
         if checkpoint is not None:
             self.state = load_checkpoint(checkpoint, self.model, self.optimizer)
@@ -238,6 +239,8 @@ class Trainer:
             self.state.carry_over = batch.carry
             await anyio.to_thread.run_sync(save_checkpoint, self.out_dir / "checkpoints", self.model,
                                            self.optimizer, self.state)
+        for tracker in self.trackers:
+            tracker.log(metrics, step=batch.step)
         self.log(metrics)
         return metrics
 
@@ -278,13 +281,24 @@ class Trainer:
     async def run(self) -> list[dict[str, Any]]:
         """Start the recipe's engine with the current weights, train, stop the engine; write ``curves.png``."""
         from rollopt.trainer.plots import plot_curves
+        from rollopt.trainer.trackers import build_trackers
 
-        async with self._engine() as engine:
-            await anyio.to_thread.run_sync(send_replica, self.dp, self.model, self.optimizer, self.update_config,
-                                           self.recipe.off_policy, self.pad_token_id, self.recipe.rollout.temperature)
-            out = await self.run_with_engine(engine)
-            # the other ranks stop; on a failure torchrun stops them (a stop sent then could meet another collective)
-            await anyio.to_thread.run_sync(self.dp.broadcast_object, None)
+        t = self.recipe.tracking
+        self.trackers = build_trackers(t.backends, self.out_dir, t.run_name or self.recipe.name, self.recipe.to_dict(),
+                                       project=t.project, wandb_mode=t.wandb_mode, metric_names=t.metric_names,
+                                       first_step=self.state.step + 1)
+        try:
+            async with self._engine() as engine:
+                await anyio.to_thread.run_sync(send_replica, self.dp, self.model, self.optimizer, self.update_config,
+                                               self.recipe.off_policy, self.pad_token_id,
+                                               self.recipe.rollout.temperature)
+                out = await self.run_with_engine(engine)
+                # the other ranks stop; on a failure torchrun stops them (a stop sent then could meet a collective)
+                await anyio.to_thread.run_sync(self.dp.broadcast_object, None)
+        finally:
+            for tracker in self.trackers:
+                tracker.close()
+            self.trackers = []
         plot_curves(self.metrics_path, self.out_dir / "curves.png", title=self.recipe.name)
         return out
 

@@ -18,6 +18,7 @@ from rollopt.config import check_value
 from rollopt.errors import ConfigError
 from rollopt.trainer.losses import LOSS_AGGREGATIONS
 from rollopt.trainer.offpolicy import OffPolicyConfig
+from rollopt.trainer.trackers import TrackingConfig
 from rollopt.trainer.update import UpdateConfig
 
 MODES = ("sync", "one-step-off", "async")
@@ -92,6 +93,7 @@ class Recipe:
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     loop: LoopSection = field(default_factory=LoopSection)
     attribution: AttributionSection = field(default_factory=AttributionSection)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         if self.loop.mode not in MODES:

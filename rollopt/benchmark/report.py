@@ -1,30 +1,65 @@
 """The bench table (rich) and figure (matplotlib): speedup bars with their spread, and per policy a
-timeline of every trajectory (engine work vs. tool wait)."""
+timeline of every trajectory (engine work vs. tool wait); and the report's numbers for experiment trackers.
+
+The table is a :class:`rollopt.tables.FitTable`: at any width it shows the policies' essential columns
+(scheduler, makespan, speedup) in full, then as many of the others as fit, by priority; the rest are named
+under it (they are all in ``--json``).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
+from rollopt.tables import Column, FitTable
 
 
-def table(report: dict[str, Any]) -> Table:
-    key = "speedup_vs_sync" if report["baseline"] == "sync" else "speedup_vs_baseline"
-    t = Table(title=f"rollopt bench · {report['workload']} · {report['engine']} · {report['model']} "
-                    f"(medians of {report['policies'][0]['repeats']}; speedup vs {report['baseline']})")
-    for col in ("scheduler", "risk", "makespan s [min-max]", "speedup [min-max]", "lower bound s", "efficiency",
-                "tok/s", "engine busy", "prefill / naive", "cached", "p50 s", "p99 s", "lost"):
-        t.add_column(col, justify="right")
+def _speedup_key(report: dict[str, Any]) -> str:
+    return "speedup_vs_sync" if report["baseline"] == "sync" else "speedup_vs_baseline"
+
+
+def columns(report: dict[str, Any]) -> list[Column]:
+    """The bench table's columns, most essential first by ``priority`` (0: always shown)."""
+    key = _speedup_key(report)
+    return [
+        Column("scheduler", "scheduler", justify="left"),
+        Column("risk_class", "risk", priority=1),
+        Column("makespan_s", "makespan s", "{:.2f}"),
+        Column("makespan_range", "makespan min-max", lambda p: f"{p['makespan_min_s']:.2f}-{p['makespan_max_s']:.2f}",
+               priority=2),
+        Column(key, f"speedup vs {report['baseline']}", "{:.2f}x"),
+        Column("speedup_range", "speedup min-max", lambda p: f"{p['speedup_min']:.2f}-{p['speedup_max']:.2f}",
+               priority=1),
+        Column("lower_bound_s", "lower bound s", "{:.2f}", priority=2),
+        Column("efficiency", "efficiency", "{:.2f}", priority=1),
+        Column("throughput_tok_s", "tok/s", "{:.0f}", priority=2),
+        Column("engine_busy_frac", "engine busy", "{:.0%}", priority=1),
+        Column("prefill", "prefill / naive",
+               lambda p: f"{p['prefill_tokens']:.0f} / {p['naive_prefill_tokens']:.0f}", priority=3),
+        Column("cached_tokens", "cached", "{:.0f}", priority=3),
+        Column("p50_latency_s", "p50 s", "{:.2f}", priority=3),
+        Column("p99_latency_s", "p99 s", "{:.2f}", priority=3),
+        Column("lost_tokens", "lost", priority=2),
+    ]
+
+
+def table(report: dict[str, Any]) -> FitTable:
+    """The report's policies side by side; print it on a console (it fits that console's width), or turn it
+    into text with :func:`rollopt.tables.render_text`."""
+    title = (f"rollopt bench · {report['workload']} · {report['engine']} · {report['model']} "
+             f"(medians of {report['policies'][0]['repeats']}; speedup vs {report['baseline']})")
+    return FitTable(report["policies"], columns(report), title=title, more_hint="--json")
+
+
+def tracker_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """The report's numbers, flat, for :mod:`rollopt.trainer.trackers`: ``bench/<scheduler>/<field>`` for each
+    policy's numeric fields (a bench is one point per policy: log it at one step)."""
+    out: dict[str, float] = {}
     for p in report["policies"]:
-        t.add_row(p["scheduler"], p["risk_class"],
-                  f"{p['makespan_s']:.2f} [{p['makespan_min_s']:.2f}-{p['makespan_max_s']:.2f}]",
-                  f"{p[key]:.2f}x [{p['speedup_min']:.2f}-{p['speedup_max']:.2f}]",
-                  f"{p['lower_bound_s']:.2f}", f"{p['efficiency']:.2f}", f"{p['throughput_tok_s']:.0f}",
-                  f"{p['engine_busy_frac']:.0%}", f"{p['prefill_tokens']:.0f} / {p['naive_prefill_tokens']:.0f}",
-                  f"{p['cached_tokens']:.0f}", f"{p['p50_latency_s']:.2f}", f"{p['p99_latency_s']:.2f}",
-                  str(p["lost_tokens"]))
-    return t
+        for field, value in p.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"bench/{p['scheduler']}/{field}"] = float(value)
+    return out
 
 
 def plot(report: dict[str, Any], path: str | Path) -> Path:
@@ -34,7 +69,7 @@ def plot(report: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     policies = report["policies"]
-    key = "speedup_vs_sync" if report["baseline"] == "sync" else "speedup_vs_baseline"
+    key = _speedup_key(report)
     fig, axes = plt.subplots(1 + len(policies), 1, figsize=(10, 2.2 + 2.6 * len(policies)),
                              gridspec_kw={"height_ratios": [1.2] + [2] * len(policies)})
     names = [p["scheduler"] for p in policies]

@@ -47,12 +47,17 @@ def engine_config(kind: str, workload: Workload) -> Any:
     return engine_config_by_name(kind)
 
 
-async def bench(run: BenchRun, engine: Any, model: LoadedModel | None = None,
+async def bench(run: BenchRun, engine: Any = None, model: LoadedModel | None = None,
                 on_step: Callable[[str, int], None] = lambda name, rep: None) -> dict[str, Any]:
-    """``rollopt bench``: load the workload's model (unless given), start ``engine`` (a configuration, see
-    :func:`engine_config`) and run every policy; the report dict."""
+    """``rollopt bench`` as a function: load the workload's model (unless given), start ``engine`` (a
+    configuration, see :func:`engine_config`; default: the embedded engine sized for the workload) and run
+    every policy; the report dict (what ``--json`` writes). A user's environment::
+
+        report = await bench(BenchRun(environment_workload(MyEnv()), ("sync", "async"), repeats=1))
+    """
     from rollopt.modeling import load_model
 
+    engine = engine or engine_config("local", run.workload)
     model = model or load_model(run.workload.model, seed=run.seed)
     return await run_policies(run, model, build_engine(engine, model), engine.kind, on_step)
 

@@ -69,8 +69,32 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
 ]}
 
 
-def get_workload(name: str, **overrides: Any) -> Workload:
-    if name not in WORKLOADS:
-        raise ConfigError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
-    w = WORKLOADS[name]
-    return Workload(**{**w.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+def environment_workload(env: Environment | Callable[[], Environment], name: str | None = None, tasks: int = 8,
+                         group_size: int = 4, sampling: SamplingParams | None = None, model: str = "tiny",
+                         max_running: int = 64) -> Workload:
+    """A workload of a user's environment (an instance, or a factory called once per bench run): ``tasks`` ×
+    ``group_size`` episodes per step, sampled at temperature 1 (64 tokens a turn unless the environment's
+    ``turn_sampling`` says otherwise). A random-init model writes no tool calls: give the environment planned
+    calls (``Environment.plans_calls``) to benchmark its tools."""
+    make_env = env if callable(env) and not isinstance(env, Environment) else (lambda: env)
+    label = name or getattr(env, "name", "") or type(env).__name__
+    return Workload(label, f"the {label} environment, {tasks} groups of {group_size}", make_env, tasks, group_size,
+                    sampling or SamplingParams(max_new_tokens=64, temperature=1.0), model=model,
+                    max_running=max_running)
+
+
+def get_workload(name: str, env_options: dict[str, Any] | None = None, **overrides: Any) -> Workload:
+    """A shipped workload by name, or an environment's (a registered or entry-point name, ``pkg.module:Class``
+    or ``file.py:Class``, built with ``env_options``) with the default sizes of :func:`environment_workload`."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if name in WORKLOADS and not env_options:
+        return Workload(**{**WORKLOADS[name].__dict__, **overrides})
+    from rollopt.environments import ENVIRONMENTS, check_environment_options
+
+    if name not in ENVIRONMENTS and ":" not in name:
+        raise ConfigError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}, an environment name, or "
+                          "'pkg.module:Class' / 'path/to/file.py:Class'")
+    options = dict(env_options or {})
+    cls = check_environment_options(name, options)
+    base = environment_workload(lambda: cls(**options), name=name)
+    return Workload(**{**base.__dict__, **overrides})
