@@ -57,6 +57,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rollopt.benchmark.report import plot, table
     from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
     from rollopt.benchmark.workloads import get_workload
+    from rollopt.engines import run as run_on_engine_clock
     from rollopt.schedulers import build_scheduler
     from rollopt.trainer.recipe import parse_options
 
@@ -66,10 +67,10 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     for name in schedulers:
         build_scheduler(name)  # a typo fails before the model loads
     run = BenchRun(workload, schedulers, repeats=args.repeats, seed=args.seed, trace_dir=args.trace)
-    engine = engine_config(args.engine, workload)
+    engine = engine_config(args.engine, workload, **parse_options(args.engine_option))
     with console.status(f"{workload.name} on {args.engine}: {len(schedulers)} policies × {args.repeats}"), \
             _frozen_startup_heap():
-        report = anyio.run(lambda: bench(run, engine))
+        report = run_on_engine_clock(lambda: bench(run, engine), engine)
     console.print(table(report))
     for path in (plot(report, args.plot) if args.plot else None, save_report(report, args.json) if args.json else None):
         if path is not None and not args.quiet:

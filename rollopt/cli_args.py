@@ -50,6 +50,9 @@ def add_commands(parser: argparse.ArgumentParser, handlers: dict[str, Callable])
                        help="an option of the environment's constructor (repeatable; TOML values)")
     bench.add_argument("--engine", default="local",
                        help="a registered engine: local (embedded), sglang (a server started for the model)")
+    bench.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="a field of the engine's configuration (repeatable), e.g. hardware=H200 "
+                            "model_shape=llama-3.1-8b for --engine sim")
     bench.add_argument("--schedulers", default=BENCH_POLICIES,
                        help="comma-separated policies (combine with +); the first 'sync' is the baseline")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats per policy")

@@ -149,7 +149,7 @@ class ServersEngineConfig:
             raise ConfigError('engine "servers" needs its urls: rollout.servers = ["http://host:port", ...]')
 
 
-EngineConfig = LocalEngineConfig | SGLangEngineConfig | ServersEngineConfig
+EngineConfig = LocalEngineConfig | SGLangEngineConfig | ServersEngineConfig  # | SimEngineConfig (defined below)
 """The shipped engines' configurations; a plug-in engine brings its own class (any frozen dataclass with a
 ``kind``), see :func:`rollopt.engines.register_engine`."""
 
@@ -199,3 +199,74 @@ class SamplingParams:
         if self.seed is not None:
             out["sampling_seed"] = self.seed
         return out
+
+
+@dataclass(frozen=True)
+class SimEngineConfig:
+    """The simulated engine (``rollopt.engines.sim``, registered as ``sim``): SGLang's scheduling and KV mechanics
+    on a virtual clock, each iteration timed by a cost model (a GPU roofline, a projection, or a linear fit to a
+    measured engine; see :mod:`rollopt.engines.sim_cost`)."""
+
+    kind: ClassVar[str] = "sim"
+    virtual_clock: ClassVar[bool] = True  # run under trio's MockClock: iterations and tool waits take no wall time
+    hardware: str = "H200"
+    """GPU of the roofline and of the KV pool size (a name of ``sim_cost.HARDWARE``)."""
+    model_shape: str | None = None
+    """A shape of ``sim_cost.MODEL_SHAPES`` (e.g. "llama-3.1-8b"); None: the loaded model's HF config."""
+    tp: int = 1
+    """Tensor-parallel GPUs of the engine (weights, KV heads and FLOPs split; an all-reduce cost added)."""
+    mem_fraction: float | None = None
+    """Share of GPU memory for weights + KV pool (SGLang's --mem-fraction-static); None: SGLang's default."""
+    kv_tokens: int | None = None
+    """KV pool capacity in tokens; None: (memory × mem_fraction − weights) / KV bytes per token."""
+    linear: tuple[float, ...] = ()
+    """(fixed_s, per_prefill_token_s, per_decode_seq_s, per_kv_token_s) of a fitted LinearCost; empty: roofline."""
+    fitted_to: str = ""
+    """What ``linear`` was fitted to (printed in the cost model's name); required with ``linear``."""
+    efficiency: tuple[float, float] = (0.80, 0.90)
+    """Roofline (compute, memory) fractions of peak (measured H200 figures, notes/agentic-scale.md)."""
+    max_running: int = 256
+    """Most requests running at once (SGLang's --max-running-requests); more wait in the queue."""
+    max_context: int = 32768
+    """Positions per request: prompt + max_new_tokens must fit."""
+    prefill_chunk: int = 8192
+    """Prefill tokens per iteration across requests (SGLang's --chunked-prefill-size on H100/H200)."""
+    block_size: int = 16
+    """KV page size in tokens (the prefix cache matches whole pages)."""
+    defer_shared_prefill: bool = True
+    """Admit a request whose first page another request is prefilling, and not yet cached, after that prefill."""
+    filler_token: int | None = None
+    """Token the default script emits (max_new_tokens of them); None: vocab_size // 2 (skipping eos ids)."""
+    logprob: float = -1.0
+    """The logprob reported for every token."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "engine.")
+        for name in ("tp", "max_running", "max_context", "prefill_chunk", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"engine.mem_fraction must be in (0, 1] or None (SGLang's default), "
+                              f"got {self.mem_fraction}")
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ConfigError(f"engine.kv_tokens must hold one block ({self.block_size} tokens), got {self.kv_tokens}")
+        if self.linear and (len(self.linear) != 4 or min(self.linear) < 0):
+            raise ConfigError(f"engine.linear = {self.linear!r}: give 4 coefficients >= 0 "
+                              "(fixed_s, per_prefill_token_s, per_decode_seq_s, per_kv_token_s)")
+        if self.linear and not self.fitted_to:
+            raise ConfigError("engine.linear needs engine.fitted_to naming what it was fitted to, "
+                              'e.g. "local-cpu tiny"')
+        if self.linear and self.kv_tokens is None:
+            raise ConfigError("engine.linear needs engine.kv_tokens (the KV pool of the engine it was fitted to)")
+        if not all(0 < e <= 1 for e in self.efficiency):
+            raise ConfigError(f"engine.efficiency = {self.efficiency!r}: (compute, memory) fractions in (0, 1]")
+        if self.filler_token is not None and self.filler_token < 0:
+            raise ConfigError(f"engine.filler_token must be a token id >= 0, got {self.filler_token}")
+        from rollopt.engines import sim_cost  # lazily: names and sizes are checked now, not when the engine opens
+
+        sim_cost.hardware(self.hardware)
+        if self.model_shape is not None or self.linear:
+            sim_cost.resolve(self, sim_cost.model_shape(self.model_shape) if self.model_shape else None)
+        elif self.kv_tokens is not None and self.kv_tokens < self.max_context:
+            raise ConfigError(f"the KV pool (engine.kv_tokens={self.kv_tokens}) cannot hold one max_context="
+                              f"{self.max_context} request; lower engine.max_context or raise engine.kv_tokens")

@@ -19,7 +19,6 @@ tokens × ``step_s`` + its own unique prompt tokens / ``prefill_tok_s`` + per tu
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -46,18 +45,18 @@ async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: i
 
     sampling = SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True)
     await engine.generate(GenerateRequest("cal.warm", ids(16), sampling))
-    started = time.perf_counter()
+    started = anyio.current_time()
     await engine.generate(GenerateRequest("cal.one", ids(16), sampling))
-    step_s = (time.perf_counter() - started) / tokens
-    started = time.perf_counter()
+    step_s = (anyio.current_time() - started) / tokens
+    started = anyio.current_time()
     async with anyio.create_task_group() as tg:
         for i in range(max_running):
             tg.start_soon(engine.generate, GenerateRequest(f"cal.b{i}", ids(16), sampling))
-    peak = max_running * tokens / (time.perf_counter() - started)
+    peak = max_running * tokens / (anyio.current_time() - started)
     long_prompt = ids(384)
-    started = time.perf_counter()
+    started = anyio.current_time()
     await engine.generate(GenerateRequest("cal.prefill", long_prompt, SamplingParams(max_new_tokens=1, temperature=0)))
-    prefill = len(long_prompt) / (time.perf_counter() - started)
+    prefill = len(long_prompt) / (anyio.current_time() - started)
     await engine.flush_cache()
     return Calibration(step_s, peak, prefill)
 

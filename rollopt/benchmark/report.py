@@ -47,7 +47,8 @@ def table(report: dict[str, Any]) -> FitTable:
     """The report's policies side by side; print it on a console (it fits that console's width), or turn it
     into text with :func:`rollopt.tables.render_text`."""
     title = (f"rollopt bench · {report['workload']} · {report['engine']} · {report['model']} "
-             f"(medians of {report['policies'][0]['repeats']}; speedup vs {report['baseline']})")
+             f"(medians of {report['policies'][0]['repeats']}; speedup vs {report['baseline']})"
+             + (f"\n{report['engine_description']}" if report.get("engine_description") else ""))
     return FitTable(report["policies"], columns(report), title=title, more_hint="--json")
 
 

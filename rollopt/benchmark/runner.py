@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncContextManager, Callable
 
+import anyio
 import torch
 
 from rollopt.benchmark.measure import Calibration, calibrate, step_metrics
@@ -38,13 +39,14 @@ class BenchRun:
     trace_dir: Path | None = None
 
 
-def engine_config(kind: str, workload: Workload) -> Any:
+def engine_config(kind: str, workload: Workload, **options: Any) -> Any:
     """The bench's configuration of engine ``kind`` for ``workload``: the embedded engine sized for it (one
-    OpenMP thread, leaving the second core to the event loop), or a registered engine's defaults."""
+    OpenMP thread, leaving the second core to the event loop), or a registered engine's defaults; ``options``
+    override fields (``rollopt bench --engine-option``)."""
     if kind == "local":
-        return LocalEngineConfig(max_running=workload.max_running, max_context=4096, prefix_cache_tokens=65536,
-                                 kv_budget_mb=12288, threads=1)
-    return engine_config_by_name(kind)
+        options = {"max_running": workload.max_running, "max_context": 4096, "prefix_cache_tokens": 65536,
+                   "kv_budget_mb": 12288, "threads": 1, **options}
+    return engine_config_by_name(kind, **options)
 
 
 async def bench(run: BenchRun, engine: Any = None, model: LoadedModel | None = None,
@@ -81,6 +83,7 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContex
         engine = await stack.enter_async_context(engine_cm)
         info = await engine.info()
         cal: Calibration = await calibrate(engine, info.vocab_size, w.max_running)
+        described = getattr(engine, "describe", lambda: "")()  # e.g. the sim's cost model (a projection?)
         for rep in range(run.repeats):
             for name in run.schedulers:
                 policy = build_scheduler(name)
@@ -89,7 +92,7 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContex
                 specs = episode_specs(env.tasks(n_tasks, run.seed), w.group_size, w.sampling, run.seed, **w.fork)
                 await engine.flush_cache()
                 before = _engine_counters(engine)
-                executor = RolloutExecutor(env, engine, renderer, policy)
+                executor = RolloutExecutor(env, engine, renderer, policy, clock=anyio.current_time)
                 result = await executor.run(specs, target_groups=w.tasks if preempts else None)
                 after = _engine_counters(engine)
                 delta = {k: after[k] - before[k] for k in after}
@@ -100,7 +103,7 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContex
                     _write_traces(run.trace_dir, name, result)
                 per_policy[name][-1]["_timeline"] = _timeline(result)  # type: ignore[assignment]
                 on_step(name, rep)
-    return _summarize(run, model, engine_kind, cal, per_policy)
+    return {**_summarize(run, model, engine_kind, cal, per_policy), "engine_description": described}
 
 
 def save_report(report: dict[str, Any], path: Path) -> Path:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncContextManager, AsyncIterator, Callable
 
-from rollopt.config import LocalEngineConfig, ServersEngineConfig, SGLangEngineConfig
+from rollopt.config import LocalEngineConfig, ServersEngineConfig, SGLangEngineConfig, SimEngineConfig
 from rollopt.errors import ConfigError
 
 
@@ -63,6 +63,19 @@ def engine_config(name: str, **options: Any) -> Any:
     if unknown := sorted(set(options) - known):
         raise ConfigError(f"engine {name!r} has no option(s) {unknown}; known: {sorted(known)}")
     return cls(**options)
+
+
+def run(fn: Callable[[], Any], config: Any) -> Any:
+    """``anyio.run(fn)`` on the clock the engine ``config`` needs: an engine whose configuration says
+    ``virtual_clock`` (the simulated one) runs under trio's ``MockClock(autojump_threshold=0)``, so its iterations
+    and every tool's ``anyio.sleep`` advance virtual time and cost no wall time; any other runs on asyncio."""
+    import anyio
+
+    if getattr(config, "virtual_clock", False):
+        from trio.testing import MockClock
+
+        return anyio.run(fn, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+    return anyio.run(fn)
 
 
 def build_engine(config: Any, model: Any, context: EngineContext | None = None) -> AsyncContextManager[Any]:
@@ -111,3 +124,23 @@ async def _open_servers(config: ServersEngineConfig, model: Any, context: Engine
 register_engine("local", LocalEngineConfig, _open_local)
 register_engine("sglang", SGLangEngineConfig, _open_sglang)
 register_engine("servers", ServersEngineConfig, _open_servers)
+
+
+@asynccontextmanager
+async def _open_sim(config: SimEngineConfig, model: Any, context: EngineContext) -> AsyncIterator[Any]:
+    from rollopt.engines.sim import SimEngine
+    from rollopt.engines.sim_cost import ModelShape, model_shape
+
+    hf = model.config
+    shape = model_shape(config.model_shape) if config.model_shape else ModelShape.from_hf_config(hf, model.name)
+    vocab = len(model.tokenizer) if model.tokenizer is not None else hf.vocab_size
+    eos = getattr(hf, "eos_token_id", None)
+    eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+    engine = SimEngine.from_config(config, shape, vocab_size=vocab, eos_token_ids=eos_ids, tokenizer=model.tokenizer,
+                                   model_name=model.name)
+    context.progress(engine.describe())
+    async with engine:
+        yield engine
+
+
+register_engine("sim", SimEngineConfig, _open_sim)
