@@ -39,6 +39,12 @@ def test_the_readme_environment_runs_through_rollout_bench_validate_and_train(tr
     assert main(["bench", "--workload", spec, "-o", "planned=true", "--schedulers", "sync,async", "--repeats", "1",
                  "--tasks", "2", "--group-size", "2", "--json", str(report), "-q"]) == 0
     assert [p["scheduler"] for p in json.loads(report.read_text())["policies"]] == ["sync", "async"]
+    assert main(["bench", "--workload", spec, "-o", "planned=true", "--engine", "sim", "--engine-option",
+                 "model_shape=llama-3.2-1b", "--schedulers", "sync,async", "--repeats", "1", "--tasks", "2",
+                 "--group-size", "2", "--json", str(report), "-q"]) == 0  # the simulated engine, virtual time
+    simulated = json.loads(report.read_text())
+    assert simulated["engine"] == "sim" and "projection" in simulated["engine_description"]
+    assert all(p["tokens_generated"] > 0 and p["lost_tokens"] == 0 for p in simulated["policies"])
     checks = tmp_path / "validate.json"
     assert main(["validate", "--env", spec, "-o", "planned=true", "--scheduler", "async", "--check", "token-parity",
                  "--json", str(checks), "-q"]) == 0
