@@ -46,7 +46,8 @@ def test_validate_all_shipped_policies_pass_and_the_cli_writes_records(tmp_path,
     from rollopt.cli import main
 
     out = tmp_path / "validate.json"
-    assert main(["validate", "--all", "--json", str(out)]) == 0
+    checks = ["--check", "token-parity", "--check", "distribution", "--check", "off-policy"]  # conservation: below
+    assert main(["validate", "--all", *checks, "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert {r["scheduler"] for r in records} == set(SCHEDULERS)
     for r in records:
@@ -104,3 +105,17 @@ def test_validate_e2e_all_policies_within_tolerance(tmp_path):
         assert r["passed"] and r["statistic"] <= r["detail"]["tolerance"] and r["n"] == 8
         if r["risk_class"] == "R1":
             assert r["statistic"] == 0.0
+
+
+async def test_conservation_check_passes_for_the_policies_that_over_provision_differently():
+    """The check that would have caught the dropped carry-over (README, ``rollopt validate``): ``sync`` (a
+    barrier), ``async`` and ``overlap+prefix+preempt`` (R3, preemption), 256 trained trajectories each."""
+    results = await validate_policies(["sync", "async", "overlap+prefix+preempt"], ValidationConfig(),
+                                      checks=["conservation"])
+    assert [(r.scheduler, r.check) for r in results] == [("sync", "conservation"), ("async", "conservation"),
+                                                         ("overlap+prefix+preempt", "conservation")]
+    for r in results:
+        d = r.detail
+        assert r.passed and r.n >= 256 and r.p_value > 0.01, d
+        assert d["returned_twice"] == [] and d["unaccounted"] == []
+        assert d["started"] == d["returned"] + d["carried"] and d["carried_groups_max"] <= 4
