@@ -313,7 +313,15 @@ class _Batch:
             if run.stage is Stage.TOOLS:
                 if not await self._tools_and_step(run):
                     return self._suspend(run)
-        await self.env.close_episode(run.id)  # the episode ended: its tools' per-episode state goes
+        try:
+            await self.env.close_episode(run.id)  # the episode ended: its tools' per-episode state goes
+        except Exception as exc:  # the contract says it must not raise; the episode's data stands, noted
+            run.traj.metadata["close_episode_error"] = ErrorRecord.from_exception("env", exc, hook="close_episode")
+
+    def _fail_env(self, run: TrajectoryRun, exc: Exception, hook: str) -> bool:
+        """An environment hook raised: this episode fails as data (its tokens stay), the batch goes on."""
+        self._end(run, Status.FAILED, ErrorRecord.from_exception("env", exc, hook=hook, turn=run.turn))
+        return True
 
     def _suspend(self, run: TrajectoryRun) -> None:
         self._preempted += 1
@@ -371,8 +379,11 @@ class _Batch:
     async def _generate(self, run: TrajectoryRun) -> bool:
         """Decode (or resume) the current turn. Returns False if the trajectory was preempted."""
         traj = run.traj
-        sampling = self.policy.sampling(self.view(), run.id,
-                                        self.env.turn_sampling(run.spec.task, run.turn, run.spec.sampling))
+        try:
+            turn_sampling = self.env.turn_sampling(run.spec.task, run.turn, run.spec.sampling)
+        except Exception as exc:
+            return self._fail_env(run, exc, "turn_sampling")
+        sampling = self.policy.sampling(self.view(), run.id, turn_sampling)
         if run.turn_start is None:
             run.turn_start, run.segments = len(traj), 0
         run.suspended = False
@@ -494,7 +505,10 @@ class _Batch:
                                                 or len(run.traj) >= self._max_context):
             # a turn cut by max_new_tokens (unless the environment decides or plans it) or by the context ends
             # the episode
-            run.traj.reward = self.env.score(run.spec.task, parsed.content, **self._context(run, self._score_ctx))
+            try:
+                run.traj.reward = self.env.score(run.spec.task, parsed.content, **self._context(run, self._score_ctx))
+            except Exception as exc:
+                return self._fail_env(run, exc, "score")
             self._end(run, Status.TRUNCATED)
         else:
             run.pending = parsed
@@ -541,7 +555,10 @@ class _Batch:
         await self._wait_until(run, self.policy.may_run_tools)
         if run.preempt_requested:
             return False
-        calls = self.env.calls_for_turn(run.spec.task, run.turn, parsed)
+        try:
+            calls = self.env.calls_for_turn(run.spec.task, run.turn, parsed)
+        except Exception as exc:
+            return self._fail_env(run, exc, "calls_for_turn")
         turn.tool_calls = list(calls)
         results = await self._run_tools(run, calls)
         if run.preempt_requested:
@@ -550,8 +567,7 @@ class _Batch:
         try:
             outcome = self.env.step(run.spec.task, run.turn, parsed, results, **self._context(run, self._step_ctx))
         except Exception as exc:  # the environment broke its contract: this episode fails, its tokens stay
-            self._end(run, Status.FAILED, ErrorRecord.from_exception("env", exc, turn=run.turn))
-            return True
+            return self._fail_env(run, exc, "step")
         run.pending, run.turn_start = None, None
         if outcome.done:
             run.traj.reward = outcome.reward
