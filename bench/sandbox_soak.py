@@ -197,22 +197,6 @@ def check(kind: str, tid: str, token: str, session: bool, output: str, error: st
     return "", ""
 
 
-def processes_of(pool: SandboxPool) -> int:
-    """Live processes of the pool's worker uids on this host."""
-    low, high = pool.uid_base, pool.uid_base + pool.size + pool.max_sessions
-    count = 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines()
-                              if ":" in line)
-            except OSError:
-                continue
-            if low <= int(fields["Uid"].split()[0]) < high and not fields["State"].strip().startswith("Z"):
-                count += 1
-    return count
-
-
 async def soak(calls: int, trajectories: int, size: int, seed: int) -> dict:
     """Run the soak; returns the report (see the module docstring). While it runs, ``tempfile.tempdir`` is a
     fresh directory, so that what the pool leaves on the host can be seen."""
@@ -252,9 +236,9 @@ async def soak(calls: int, trajectories: int, size: int, seed: int) -> dict:
                     tg.start_soon(trajectory, tid)
             with anyio.fail_after(120):
                 await pool.wait_ready()
-            idle, live = pool.idle, processes_of(pool)
+            idle, live = pool.idle, len(pool.host_pids())
         elapsed = time.perf_counter() - started
-        after = processes_of(pool)
+        after = len(pool.host_pids())
         dirs_left = sorted(str(p.relative_to(host_dir)) for p in host_dir.iterdir())
     finally:
         tempfile.tempdir = saved_tempdir

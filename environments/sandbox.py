@@ -242,6 +242,22 @@ class SandboxPool:
         """Sessions holding a worker now."""
         return len(self._sessions)
 
+    def host_pids(self) -> set[int]:
+        """Host pids of the live (not zombie) processes running under any of this pool's worker uids: what a
+        caller checks to see that nothing outlived a call, a session or the pool."""
+        low, high = self.uid_base, self.uid_base + self.size + self.max_sessions
+        pids = set()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines()
+                                  if ":" in line)
+                except OSError:
+                    continue
+                if low <= int(fields["Uid"].split()[0]) < high and not fields["State"].strip().startswith("Z"):
+                    pids.add(int(entry.name))
+        return pids
+
     async def __aenter__(self) -> "SandboxPool":
         if self._state is not PoolState.NEW:
             raise PoolStateError(f"a SandboxPool is entered once; this one is {self._state.value}")

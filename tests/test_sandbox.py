@@ -39,22 +39,6 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def processes_of(pool: SandboxPool) -> set[int]:
-    """Host pids of live (not zombie) processes under any of the pool's worker uids."""
-    low, high = pool.uid_base, pool.uid_base + pool.size + pool.max_sessions
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if low <= int(fields["Uid"].split()[0]) < high and not fields["State"].strip().startswith("Z"):
-                pids.add(int(entry.name))
-    return pids
-
-
 def program(source: str) -> str:
     return textwrap.dedent(source).strip() + "\n"
 
@@ -211,19 +195,19 @@ async def test_no_process_outlives_its_call_or_the_pool():
         print("spawned")
     """)
     async with SandboxPool(2, LIMITS, max_sessions=1) as pool:
-        workers = processes_of(pool)
+        workers = pool.host_pids()
         assert len(workers) == 2  # one supervisor per worker
         assert (await pool.run(daemon)).output == "spawned\n"
-        assert processes_of(pool) == workers  # the daemon died with its call
+        assert pool.host_pids() == workers  # the daemon died with its call
         await pool.run(daemon, session="s")
-        assert len(processes_of(pool)) > len(workers)  # a session keeps its processes ...
+        assert len(pool.host_pids()) > len(workers)  # a session keeps its processes ...
         await pool.release("s")
         with anyio.fail_after(30):
             await pool.wait_ready()
-        assert len(processes_of(pool)) == 2  # ... until it is released
+        assert len(pool.host_pids()) == 2  # ... until it is released
         live = descendants(me) - before
         assert live
-    assert processes_of(pool) == set()
+    assert pool.host_pids() == set()
     assert descendants(me) - before == set()
 
 
@@ -311,7 +295,7 @@ async def test_fault_injection_every_call_returns_one_typed_result_and_the_pool_
                 tg.start_soon(worker)
         with anyio.fail_after(60):
             await pool.wait_ready()
-        assert pool.idle == 6 and len(processes_of(pool)) == 6
+        assert pool.idle == 6 and len(pool.host_pids()) == 6
     assert sorted(results) == list(range(1000))  # every call has exactly one result
     for i, fault in enumerate(plan):
         result, elapsed = results[i]
@@ -320,7 +304,7 @@ async def test_fault_injection_every_call_returns_one_typed_result_and_the_pool_
             assert result.output == "1\n"  # a fresh interpreter each time: nothing leaked from other calls
         assert elapsed < HANG_DEADLINE_S + 10.0  # no call stuck past its deadline (+ waiting for a worker)
     assert sum(fault != "ok" for fault in plan) == 140
-    assert processes_of(pool) == set()
+    assert pool.host_pids() == set()
 
 
 async def test_fault_injection_in_sessions_loses_no_trajectory():
@@ -340,7 +324,7 @@ async def test_fault_injection_in_sessions_loses_no_trajectory():
                 tg.start_soon(episode, tid)
         with anyio.fail_after(60):
             await pool.wait_ready()
-        assert pool.sessions == 0 and len(processes_of(pool)) == 2
+        assert pool.sessions == 0 and len(pool.host_pids()) == 2
     assert sorted(outcomes) == sorted(trajectories)
     assert sum(fault != "ok" for fault in plan) == 28
     for tid, plan in trajectories.items():

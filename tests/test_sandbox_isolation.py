@@ -35,22 +35,6 @@ def program(source: str) -> str:
     return textwrap.dedent(source).strip() + "\n"
 
 
-def processes_of(pool: SandboxPool) -> set[int]:
-    """Host pids of live (not zombie) processes under any of the pool's worker uids."""
-    low, high = pool.uid_base, pool.uid_base + pool.size + pool.max_sessions
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines()
-                              if ":" in line)
-            except OSError:
-                continue
-            if low <= int(fields["Uid"].split()[0]) < high and not fields["State"].strip().startswith("Z"):
-                pids.add(int(entry.name))
-    return pids
-
-
 @pytest.fixture(autouse=True)
 def remove_deep_trees(tmp_path):
     """pytest deletes old ``tmp_path`` folders with a recursive ``shutil.rmtree``: a deep tree that a failing
@@ -106,7 +90,7 @@ async def test_a_deep_directory_tree_costs_no_worker_and_leaves_nothing_on_the_h
                 result = await pool.run(tree)
                 assert result.ok and result.output == "built\n", result
             await pool.wait_ready()
-            assert pool.idle == 2 and len(processes_of(pool)) == 2
+            assert pool.idle == 2 and len(pool.host_pids()) == 2
             assert (await pool.run("import os; print(os.listdir('.'))")).output == "[]\n"
             assert (await pool.run(tree, session="released")).output == "built\n"
             await pool.release("released")  # the host removes this tree
@@ -115,7 +99,7 @@ async def test_a_deep_directory_tree_costs_no_worker_and_leaves_nothing_on_the_h
             assert pool.idle == 2
     assert (canary / "keep").read_text() == "keep"
     assert list(pool_tmp.iterdir()) == []  # every scratch directory and the pool's own are gone
-    assert processes_of(pool) == set()
+    assert pool.host_pids() == set()
 
 
 async def test_a_worker_that_cannot_clean_up_is_replaced_and_its_call_keeps_its_result(monkeypatch, pool_tmp):
@@ -125,13 +109,13 @@ async def test_a_worker_that_cannot_clean_up_is_replaced_and_its_call_keeps_its_
     monkeypatch.setattr(SandboxPool, "_worker_config", lambda self, uid: config(self, uid) | {"scratch": "/nowhere"})
     with anyio.fail_after(HANG_GUARD_S):
         async with SandboxPool(1, LIMITS) as pool:
-            before = processes_of(pool)
+            before = pool.host_pids()
             for i in range(3):
                 result = await pool.run(f"print({i})")
                 assert result.ok and result.output == f"{i}\n", result
                 await pool.wait_ready()
                 assert pool.idle == 1
-                now = processes_of(pool)
+                now = pool.host_pids()
                 assert len(now) == 1 and now != before  # a new supervisor each time
                 before = now
     assert list(pool_tmp.iterdir()) == []

@@ -39,7 +39,6 @@ import torch
 from anyio.streams.memory import MemoryObjectSendStream
 
 from rollopt.engines.base import (
-    Engine,
     EngineFailure,
     EngineInfo,
     FinishReason,
@@ -51,9 +50,10 @@ from rollopt.engines.base import (
     next_version,
 )
 from rollopt.config import LocalEngineConfig
+from rollopt.engines.command_loop import Command, CommandLoopEngine
 from rollopt.engines.prefix_cache import PrefixCache
 from rollopt.engines.sampling import sample_token
-from rollopt.errors import BadRequestError, ConfigError, EngineError
+from rollopt.errors import BadRequestError, ConfigError
 from rollopt.modeling.llama import LlamaModel, SlotKV
 
 
@@ -64,17 +64,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
     return DTYPES[name]
-
-
-@dataclass(eq=False)
-class _Command:
-    """A state change queued by the API and applied by the loop between ticks."""
-
-    name: str
-    arg: Any = None
-    done: anyio.Event | None = None
-    value: Any = None
-    error: Exception | None = None
 
 
 class _State(enum.Enum):
@@ -125,7 +114,7 @@ class EngineStats:
     retractions: int = 0
 
 
-class LocalEngine(Engine):
+class LocalEngine(CommandLoopEngine):
     """The embedded engine for HF Llama/Qwen2 causal LMs; see the module docstring for how it runs."""
 
     def __init__(self, config, state_dict: Mapping[str, torch.Tensor], engine_config: LocalEngineConfig | None = None,
@@ -148,7 +137,7 @@ class LocalEngine(Engine):
         self._arrivals: list[_Request] = []  # new requests, appended by stream() even while a tick runs
         self._live: dict[str, _Request] = {}
         self._order = itertools.count()
-        self._commands: list[_Command] = []
+        self._commands: list[Command] = []
         self._paused: PauseMode | None = None
         self._wakeup = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -163,28 +152,6 @@ class LocalEngine(Engine):
         return cls(config, state_dict, engine_config, tokenizer=tokenizer, model_name=str(path))
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> "LocalEngine":
-        if self._task_group is not None:
-            raise RuntimeError("LocalEngine is already running")
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._task_group.start_soon(self._loop)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task_group is not None, "__aexit__ without __aenter__"
-        self._task_group.cancel_scope.cancel()
-        await self._task_group.__aexit__(None, None, None)
-        self._task_group = None
-        for r in list(self._live.values()):
-            r.send.close()
-
-    def _require_running(self) -> None:
-        if self._task_group is None:
-            raise RuntimeError("use the engine inside `async with engine:`")
-        if self._failure is not None:
-            raise EngineError(f"the engine loop failed: {self._failure!r}")
-
     # ------------------------------------------------------------------------------------------ API
     def _check_request(self, request: GenerateRequest) -> None:
         cfg, vocab = self.engine_config, self.model.shape.vocab_size
@@ -200,13 +167,7 @@ class LocalEngine(Engine):
         bad = [t for t in request.input_ids if not (0 <= t < vocab)]
         if bad:
             raise BadRequestError(f"request {request.rid}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if request.sampling.stop and self.tokenizer is None:
-            raise BadRequestError(f"request {request.rid}: stop strings need an engine built with a tokenizer")
-        if request.rid in self._live:
-            raise BadRequestError(f"request id {request.rid!r} is already in flight; rids must be unique")
-        if not (math.isfinite(request.keep_warm_s) and request.keep_warm_s >= 0):
-            raise BadRequestError(f"request {request.rid}: keep_warm_s must be a finite number >= 0, "
-                                  f"got {request.keep_warm_s!r}")
+        self._check_common(request)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self._require_running()
@@ -232,43 +193,17 @@ class LocalEngine(Engine):
                                     partial=self._result(r, FinishReason.ABORT))
         finally:
             if not finished and request.rid in self._live:
-                self._commands.append(_Command("abort", request.rid))  # the caller went away: free its slot
+                self._commands.append(Command("abort", request.rid))  # the caller went away: free its slot
                 self._wakeup.set()
-
-    async def _command(self, name: str, arg: Any = None) -> Any:
-        self._require_running()
-        command = _Command(name, arg, anyio.Event())
-        self._commands.append(command)
-        self._wakeup.set()
-        await command.done.wait()
-        if command.error is not None:
-            raise command.error
-        if self._failure is not None:
-            raise EngineError(f"the engine loop failed: {self._failure!r}")
-        return command.value
 
     async def abort(self, rid: str) -> None:
         """Abort one request (a no-op if it already finished)."""
         await self._command("abort_one", rid)
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        if mode not in ("abort", "retract", "in_place"):
-            raise ConfigError(f"pause mode {mode!r}; use 'abort', 'retract' or 'in_place'")
-        await self._command("pause", mode)
-
-    async def resume(self) -> None:
-        await self._command("resume")
-
     async def update_weights(self, weights: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
         """Load an HF state dict between ticks; returns the new version (see :meth:`Engine.update_weights`).
         Clears the prefix cache. The engine copies the tensors, so the caller may go on mutating its own."""
         return await self._command("update_weights", (weights, next_version(self.version, version)))
-
-    async def flush_cache(self) -> None:
-        await self._command("flush_cache")
-
-    async def health(self) -> bool:
-        return self._task_group is not None and self._failure is None
 
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_name, vocab_size=self.model.shape.vocab_size,

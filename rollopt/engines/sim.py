@@ -47,9 +47,10 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from rollopt.config import SimEngineConfig
 from rollopt.engines.base import (
-    Engine, EngineFailure, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode,
+    EngineFailure, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, GenerateResult, PauseMode,
     next_version,
 )
+from rollopt.engines.command_loop import Command, CommandLoopEngine
 from rollopt.engines.sim_cost import CostModel, IterationFeatures, ModelShape, resolve
 from rollopt.errors import BadRequestError, ConfigError, EngineError
 
@@ -151,16 +152,7 @@ class SimStats:
     peak_used_blocks: int = 0
 
 
-@dataclass(eq=False)
-class _Command:
-    name: str
-    arg: Any = None
-    done: anyio.Event | None = None
-    value: Any = None
-    error: Exception | None = None
-
-
-class SimEngine(Engine):
+class SimEngine(CommandLoopEngine):
     """See the module docstring. ``record=True`` keeps ``(start, features, seconds)`` of every iteration in
     :attr:`iterations`."""
 
@@ -206,7 +198,7 @@ class SimEngine(Engine):
         self._arrivals: list[_Req] = []
         self._live: dict[str, _Req] = {}
         self._order = itertools.count()
-        self._commands: list[_Command] = []
+        self._commands: list[Command] = []
         self._paused: PauseMode | None = None
         self._ratio = INIT_NEW_TOKEN_RATIO
         self._wakeup = anyio.Event()
@@ -256,28 +248,6 @@ class SimEngine(Engine):
         assert self._n_waiting == sum(1 for *_, r in self._waiting if r.state is _State.WAITING)
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> "SimEngine":
-        if self._task_group is not None:
-            raise RuntimeError("SimEngine is already running")
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._task_group.start_soon(self._loop)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task_group is not None, "__aexit__ without __aenter__"
-        self._task_group.cancel_scope.cancel()
-        await self._task_group.__aexit__(None, None, None)
-        self._task_group = None
-        for r in list(self._live.values()):
-            r.send.close()
-
-    def _require_running(self) -> None:
-        if self._task_group is None:
-            raise RuntimeError("use the engine inside `async with engine:`")
-        if self._failure is not None:
-            raise EngineError(f"the engine loop failed: {self._failure!r}")
-
     # ------------------------------------------------------------------------------------------ API
     def _check_request(self, request: GenerateRequest) -> None:
         request.sampling.validate()
@@ -291,13 +261,7 @@ class SimEngine(Engine):
                 "lower max_new_tokens or raise SimEngineConfig.max_context")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise BadRequestError(f"request {request.rid}: token ids outside the vocabulary [0, {self.vocab_size})")
-        if request.sampling.stop and self.tokenizer is None:
-            raise BadRequestError(f"request {request.rid}: stop strings need an engine built with a tokenizer")
-        if request.rid in self._live:
-            raise BadRequestError(f"request id {request.rid!r} is already in flight; rids must be unique")
-        if not (math.isfinite(request.keep_warm_s) and request.keep_warm_s >= 0):
-            raise BadRequestError(f"request {request.rid}: keep_warm_s must be a finite number >= 0, "
-                                  f"got {request.keep_warm_s!r}")
+        self._check_common(request)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self._require_running()
@@ -329,7 +293,7 @@ class SimEngine(Engine):
                                     partial=self._result(r, FinishReason.ABORT))
         finally:
             if not finished and request.rid in self._live:
-                self._commands.append(_Command("abort", request.rid))  # the caller went away: free its KV
+                self._commands.append(Command("abort", request.rid))  # the caller went away: free its KV
                 self._wakeup.set()
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -342,36 +306,12 @@ class SimEngine(Engine):
             raise EngineError(f"request {request.rid}: stream ended without a result")
         return result
 
-    async def _command(self, name: str, arg: Any = None) -> Any:
-        self._require_running()
-        command = _Command(name, arg, anyio.Event())
-        self._commands.append(command)
-        self._wakeup.set()
-        await command.done.wait()
-        if command.error is not None:
-            raise command.error
-        return command.value
-
     async def abort(self, rid: str) -> None:
         await self._command("abort", rid)
-
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        if mode not in ("abort", "retract", "in_place"):
-            raise ConfigError(f"pause mode {mode!r}; use 'abort', 'retract' or 'in_place'")
-        await self._command("pause", mode)
-
-    async def resume(self) -> None:
-        await self._command("resume")
 
     async def update_weights(self, weights: Any, *, version: int | None = None) -> int:
         """Nothing is loaded (the sim has no weights); bumps the version and invalidates the prefix cache."""
         return await self._command("update_weights", next_version(self.version, version))
-
-    async def flush_cache(self) -> None:
-        await self._command("flush_cache")
-
-    async def health(self) -> bool:
-        return self._task_group is not None and self._failure is None
 
     async def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.vocab_size, self.config.max_context, self.version, self.eos_token_ids)
