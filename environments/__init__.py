@@ -4,6 +4,7 @@ a name to it so configs and the CLI can say ``--env calculator``; a user's envir
 
 from __future__ import annotations
 
+from rollopt.environments.agentic import AgentEnv
 from rollopt.environments.calculator import CalculatorEnv
 from rollopt.environments.gym_adapter import GymTextEnv
 from rollopt.environments.python_tool import PythonToolEnv
@@ -13,7 +14,7 @@ from rollopt.errors import ConfigError
 from rollopt.step import Environment
 
 ENVIRONMENTS: dict[str, type[Environment]] = {
-    env.name: env for env in (CalculatorEnv, SyntheticEnv, PythonToolEnv, RetrievalEnv)
+    env.name: env for env in (CalculatorEnv, SyntheticEnv, PythonToolEnv, RetrievalEnv, AgentEnv)
 }
 """Environments buildable by name. :class:`GymTextEnv` is an adapter around a game you pass in, so it is not
 listed."""
@@ -60,6 +61,6 @@ def build_environment(name: str, **kwargs) -> Environment:
     return check_environment_options(name, kwargs)(**kwargs)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "CalculatorEnv", "GymTextEnv", "PythonToolEnv", "RetrievalEnv",
+__all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "AgentEnv", "CalculatorEnv", "GymTextEnv", "PythonToolEnv", "RetrievalEnv",
            "SyntheticEnv", "build_environment", "check_environment_options", "environment_class",
            "register_environment"]

@@ -209,6 +209,7 @@ class SimEngineConfig:
 
     kind: ClassVar[str] = "sim"
     virtual_clock: ClassVar[bool] = True  # run under trio's MockClock: iterations and tool waits take no wall time
+    scripted: ClassVar[bool] = True  # runs no model: a script decides each request's tokens (EngineContext.script)
     hardware: str = "H200"
     """GPU of the roofline and of the KV pool size (a name of ``sim_cost.HARDWARE``)."""
     model_shape: str | None = None
@@ -239,10 +240,12 @@ class SimEngineConfig:
     """Token the default script emits (max_new_tokens of them); None: vocab_size // 2 (skipping eos ids)."""
     logprob: float = -1.0
     """The logprob reported for every token."""
+    servers: int = 1
+    """Simulated servers, each with this configuration, behind the real ``RoutedEngine`` (group-affine routing)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "engine.")
-        for name in ("tp", "max_running", "max_context", "prefill_chunk", "block_size"):
+        for name in ("tp", "max_running", "max_context", "prefill_chunk", "block_size", "servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:

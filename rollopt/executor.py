@@ -37,17 +37,33 @@ import anyio
 
 from rollopt import seeds
 from rollopt.chat import ChatRenderer
-from rollopt.engines.base import Engine, EngineFailure, FinishReason, GenerateRequest, SamplingParams
+from rollopt.engines.base import Engine, EngineFailure, EngineInfo, FinishReason, GenerateRequest, SamplingParams
 from rollopt.episodes import CarriedTrajectory, CarryOver, EpisodeSpec, episode_specs
 from rollopt.errors import ConfigError, EngineError, ErrorRecord
 from rollopt.graph import RolloutGraph
-from rollopt.schedulers import Policy, RolloutView, Stage, TrajectoryView, build_scheduler
+from rollopt.schedulers import Policy, RolloutView, Stage, ToolLatencies, TrajectoryView, build_scheduler
 from rollopt.step import Environment, EpisodeContext, ToolContext, accepts_context, execute_tool_call
 from rollopt.toolcalls import CLOSE_TAG, ParsedTurn, ToolCallStream
 from rollopt.trajectory import Status, TokenSpan, ToolCall, ToolResult, Trajectory, Turn
 
 MAX_RESUBMITS = 8
 """How many unrequested aborts (engine pauses) one turn survives before its trajectory ends as aborted."""
+
+
+def request_id(trajectory_id: str, turn: int, segment: int) -> str:
+    """The engine request id of a trajectory's turn and segment (a preempted turn resumes as a new segment):
+    ``{trajectory}.t{turn}.r{segment}``, never a prefix of another live one (SGLang's requirement)."""
+    return f"{trajectory_id}.t{turn}.r{segment}"
+
+
+def parse_request_id(rid: str) -> tuple[str, int, int] | None:
+    """``(trajectory id, turn, segment)`` of a turn's request id (:func:`request_id`); None for any other id
+    (a shared-prefix prefill, an engine calibration request). A simulated engine's script reads it."""
+    head, _, segment = rid.rpartition(".r")
+    trajectory, _, turn = head.rpartition(".t")
+    if not (trajectory and turn.isdigit() and segment.isdigit()):
+        return None
+    return trajectory, int(turn), int(segment)
 
 
 @dataclass(eq=False)
@@ -67,6 +83,7 @@ class TrajectoryRun:
     suspended: bool = False  # preempted in this batch, waiting in the carry-over buffer
     rid: str | None = None
     last_node: str | None = None
+    last_tool: str | None = None  # the tool its latest call named
     tool_scopes: list[anyio.CancelScope] = field(default_factory=list)
     early_tools: dict[str, "_ToolSlot"] = field(default_factory=dict)  # started while the turn decoded
     _view: tuple[tuple, TrajectoryView] | None = field(default=None, repr=False, compare=False)
@@ -89,11 +106,11 @@ class TrajectoryRun:
     def view(self) -> TrajectoryView:
         """The policy's view of this trajectory; rebuilt only when what it shows changed (the executor asks
         for every trajectory's view after each state change of any one of them)."""
-        key = (self.turn, self.stage, self.suspended, self.carry_age, len(self.traj))
+        key = (self.turn, self.stage, self.suspended, self.carry_age, len(self.traj), self.last_tool)
         if self._view is None or self._view[0] != key:
             stage = Stage.PREEMPTED if self.suspended else self.stage
             self._view = (key, TrajectoryView(self.id, self.traj.group_id, self.turn, stage, self.traj.num_generated,
-                                              self.carry_age))
+                                              self.carry_age, len(self.traj), self.last_tool))
         return self._view[1]
 
 
@@ -153,7 +170,7 @@ class RolloutExecutor:
         Carried groups that are already complete come back first and count toward ``target_groups``; the
         groups not returned (complete beyond the quota, or with preempted members) stay in :attr:`carry`."""
         _check_ids(self._carry, specs)
-        batch = _Batch(self, target_groups, (await self.engine.info()).max_context)
+        batch = _Batch(self, target_groups, await self.engine.info())
         carried, self._carry = self._carry, []
         try:
             return await batch.run(carried, specs)
@@ -166,15 +183,18 @@ class _Batch:
     it runs (graph, snapshot, gates, shared prefills, counters, task group). The executor keeps nothing of it
     but the trajectories it did not return."""
 
-    def __init__(self, executor: RolloutExecutor, target_groups: int | None, max_context: int) -> None:
+    def __init__(self, executor: RolloutExecutor, target_groups: int | None, info: EngineInfo) -> None:
         self.env, self.engine, self.renderer, self.policy = (executor.env, executor.engine, executor.renderer,
                                                              executor.policy)
         self._preempts, self.clock = executor._preempts, executor.clock
         self._tools, self._tool_schemas = executor._tools, executor._tool_schemas
         self._step_ctx, self._score_ctx = accepts_context(self.env.step), accepts_context(self.env.score)
+        self._sampling_ctx = accepts_context(self.env.turn_sampling)
+        self._calls_ctx = accepts_context(self.env.calls_for_turn)
         self._graph, self._t0 = RolloutGraph(), self.clock()
         self._target = target_groups
-        self._max_context = max_context
+        self._max_context, self._kv_tokens = info.max_context, info.kv_tokens
+        self._tool_latency = ToolLatencies()
         self._changed: anyio.Event | None = None  # set on the next state change; made only when a gate waits
         self._view: RolloutView | None = None
         self._prefills: dict[tuple, anyio.Event | None] = {}  # shared prefix -> its prefill (None: not shared)
@@ -257,7 +277,8 @@ class _Batch:
     def view(self) -> RolloutView:
         """The policy's snapshot; rebuilt after each state change (token counts may lag by one change)."""
         if self._view is None:
-            self._view = RolloutView(tuple(r.view() for r in self._runs), self._target, self._now())
+            self._view = RolloutView(tuple(r.view() for r in self._runs), self._target, self._now(), self._kv_tokens,
+                                     self._tool_latency)
         return self._view
 
     def _notify(self, changed: TrajectoryRun) -> None:
@@ -380,7 +401,8 @@ class _Batch:
         """Decode (or resume) the current turn. Returns False if the trajectory was preempted."""
         traj = run.traj
         try:
-            turn_sampling = self.env.turn_sampling(run.spec.task, run.turn, run.spec.sampling)
+            turn_sampling = self.env.turn_sampling(run.spec.task, run.turn, run.spec.sampling,
+                                                   **self._context(run, self._sampling_ctx))
         except Exception as exc:
             return self._fail_env(run, exc, "turn_sampling")
         sampling = self.policy.sampling(self.view(), run.id, turn_sampling)
@@ -398,10 +420,11 @@ class _Batch:
             return self._close_turn(run, FinishReason.LENGTH)
         while True:
             seed = seeds.request_seed(sampling.seed, run.turn, run.segments)
-            request = GenerateRequest(f"{traj.id}.t{run.turn}.r{run.segments}", tuple(traj.token_ids.tolist()),
+            request = GenerateRequest(request_id(traj.id, run.turn, run.segments), tuple(traj.token_ids.tolist()),
                                       replace(sampling, max_new_tokens=room, seed=seed),
                                       priority=self.policy.priority(self.view(), run.id), affinity=traj.group_id,
-                                      keep_warm_s=self.policy.keep_warm_s, stream_tokens=closers)
+                                      keep_warm_s=self.policy.keep_warm(self.view(), run.id),
+                                      stream_tokens=closers)
             run.segments += 1
             run.rid = request.rid
             node = self._graph.add("generate", run.id, after=run.last_node, start=self._now(), turn=run.turn,
@@ -464,7 +487,8 @@ class _Batch:
             slot.done.set()
 
     async def _execute(self, run: TrajectoryRun, call: ToolCall) -> ToolResult:
-        node = self._graph.add("tool", run.id, after=run.last_node, start=self._now(), tool=call.name, call=call.id)
+        started = self._now()
+        node = self._graph.add("tool", run.id, after=run.last_node, start=started, tool=call.name, call=call.id)
         try:
             result = await execute_tool_call(self._tools, call, context=ToolContext(run.id, run.spec.task))
         except BaseException:
@@ -472,6 +496,8 @@ class _Batch:
             raise
         self._graph.finish(node, self._now(), status="ok" if result.ok else "error",
                            error=result.error.kind if result.error else "")
+        self._tool_latency.record(call.name, self._now() - started)
+        run.last_tool = call.name
         return result
 
     def _fail_engine(self, run: TrajectoryRun, exc: EngineError, streamed: int) -> bool:
@@ -556,7 +582,7 @@ class _Batch:
         if run.preempt_requested:
             return False
         try:
-            calls = self.env.calls_for_turn(run.spec.task, run.turn, parsed)
+            calls = self.env.calls_for_turn(run.spec.task, run.turn, parsed, **self._context(run, self._calls_ctx))
         except Exception as exc:
             return self._fail_env(run, exc, "calls_for_turn")
         turn.tool_calls = list(calls)

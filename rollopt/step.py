@@ -302,11 +302,11 @@ async def execute_tool_call(tools: Sequence[Tool], call: ToolCall, timeout_s: fl
     returned. A call whose outcome arrives after its deadline is a ``tool_timeout`` even if the deadline's
     cancellation never reached it.
     """
-    started = time.perf_counter()
+    started = anyio.current_time()  # the event loop's clock: virtual under the simulated engine
     by_name = {t.name: t for t in tools}
 
     def result(content: str, error: ErrorRecord | None = None) -> ToolResult:
-        return ToolResult(call.id, call.name, _valid_text(content), error, time.perf_counter() - started)
+        return ToolResult(call.id, call.name, _valid_text(content), error, anyio.current_time() - started)
 
     chosen = by_name.get(call.name)
     if chosen is None:
@@ -415,9 +415,10 @@ class Environment(abc.ABC):
     * ``step`` never raises for bad model output: malformed calls and failed tools become observations;
     * a turn with no tool call ends the episode and is scored; so does reaching ``max_turns``.
 
-    ``step`` and ``score`` may take a keyword ``context`` (:class:`EpisodeContext`: the trajectory id, its
-    turns and every earlier tool result), for rewards that depend on what happened before the last turn; the
-    executor passes it to hooks whose signature has it.
+    ``step``, ``score``, ``turn_sampling`` and ``calls_for_turn`` may take a keyword ``context``
+    (:class:`EpisodeContext`: the trajectory id, its turns and every earlier tool result), for rewards that
+    depend on what happened before the last turn, or plans that differ per trajectory; the executor passes it
+    to hooks whose signature has it.
     """
 
     name: ClassVar[str] = ""

@@ -13,6 +13,7 @@ its own module, declares its risk class, and is registered in ``SCHEDULERS``; a 
 | preempt   | abort stragglers at the batch quota, carry them over, resume          | R3   |
 | warm      | keep each trajectory's KV cached across its tool calls (a TTL pin)    | R1   |
 | las       | least attained service first: short trajectories are not stuck behind long ones | R1 |
+| kv        | admit trajectories while their histories fit the KV; pin each across its tool call | R1 |
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any, Callable
 
 from rollopt.errors import ConfigError
 from rollopt.plugins import entry_point
-from rollopt.schedulers.base import CompositePolicy, Policy, RiskClass, RolloutView, Stage, TrajectoryView
+from rollopt.schedulers.base import (
+    CompositePolicy, Policy, RiskClass, RolloutView, Stage, ToolLatencies, TrajectoryView,
+)
+from rollopt.schedulers.kv import KVPolicy
 from rollopt.schedulers.las import LeastAttainedServicePolicy
 from rollopt.schedulers.overlap import OverlapPolicy
 from rollopt.schedulers.per_trajectory import AsyncPolicy
@@ -46,7 +50,8 @@ def register_scheduler(name: str, factory: Callable[..., Policy]) -> None:
     SCHEDULERS[name] = factory
 
 
-for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy, WarmPolicy, LeastAttainedServicePolicy):
+for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy, WarmPolicy, LeastAttainedServicePolicy,
+             KVPolicy):
     register_scheduler(_cls.name, _cls)
 
 
@@ -77,7 +82,7 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
-    "PrefixPolicy", "PreemptPolicy", "RiskClass", "RolloutView", "Stage", "SyncPolicy", "TrajectoryView",
+    "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "KVPolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
+    "PrefixPolicy", "PreemptPolicy", "RiskClass", "RolloutView", "Stage", "SyncPolicy", "ToolLatencies", "TrajectoryView",
     "WarmPolicy", "build_scheduler", "register_scheduler",
 ]

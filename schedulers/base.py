@@ -10,8 +10,9 @@ A policy owns no tasks, clients or clocks. The executor (``rollopt.executor``) c
 * ``shared_prefill``: prefill a shared prefix (a GRPO group's prompt, a tree fork point) once before the
   children that share it start;
 * ``priority(view, tid)``: engine priority of the trajectory's next request (higher runs first);
-* ``keep_warm_s``: ask the engine to keep each request's KV cached this long after it ends (or until the
-  trajectory's next turn reuses it), so the history survives the turn's tool calls;
+* ``keep_warm(view, tid)``: ask the engine to keep the KV of the trajectory's next request cached this many
+  seconds after it ends (or until the trajectory's next turn reuses it), so the history survives the turn's
+  tool calls (default: the policy's constant ``keep_warm_s``);
 * ``preempt(view)``: which running trajectories to abort now; they keep every token and are carried over;
 * ``sampling(view, tid, params)``: the sampling params of the trajectory's next turn (default: unchanged).
   A policy that changes them changes what is sampled, and its risk class must say so (``rollopt validate``
@@ -59,6 +60,13 @@ class TrajectoryView:
     stage: Stage
     generated_tokens: int
     carry_age: int = 0  # batches this trajectory has already been carried over
+    context_tokens: int = 0  # tokens of its history so far (prompt, turns, observations)
+    last_tool: str | None = None  # the tool its latest tool call named (None before any)
+
+    @property
+    def started(self) -> bool:
+        """Whether it has sent a request (its KV exists somewhere): past its first gate."""
+        return self.turn > 0 or self.stage is not Stage.GATE
 
     @property
     def live(self) -> bool:
@@ -80,6 +88,12 @@ class _Tally:
     group_done: dict[str, int]  # group -> members done
     complete_groups: int  # groups whose members are all done
     generated_tokens: int
+    resident: int = 0  # live trajectories that have started
+    resident_tokens: int = 0  # their context tokens, summed
+    generating: int = 0  # trajectories with a request in the engine
+    finished: int = 0  # trajectories done (not preempted)
+    finished_tokens: int = 0  # their final context tokens, summed
+    first_waiting: int = 0  # position of the first live trajectory that has not started (len: none)
 
     @classmethod
     def of(cls, entries: tuple[TrajectoryView, ...]) -> "_Tally":
@@ -87,6 +101,7 @@ class _Tally:
         tally = cls({t.id: i for i, t in enumerate(entries)}, sizes, tuple(sizes), {}, {}, {}, 0,
                     sum(t.generated_tokens for t in entries))
         for t in entries:
+            tally._count_footprint(t, +1)
             live_turn, not_in_tools_turn, done_group = _counted_as(t)
             if live_turn is not None:
                 _bump(tally.live_turns, live_turn, +1)
@@ -94,13 +109,18 @@ class _Tally:
                 _bump(tally.live_not_in_tools, not_in_tools_turn, +1)
             if done_group is not None:
                 tally._count_done(done_group, +1)
+        tally.first_waiting = _first_waiting(entries, 0)
         return tally
 
     def replaced(self, old: TrajectoryView, new: TrajectoryView) -> "_Tally":
         (live0, tools0, done0), (live1, tools1, done1) = _counted_as(old), _counted_as(new)
         tally = _Tally(self.positions, self.group_size, self.group_order, self.live_turns, self.live_not_in_tools,
                        self.group_done, self.complete_groups,
-                       self.generated_tokens - old.generated_tokens + new.generated_tokens)
+                       self.generated_tokens - old.generated_tokens + new.generated_tokens,
+                       self.resident, self.resident_tokens, self.generating, self.finished,
+                       self.finished_tokens, self.first_waiting)
+        tally._count_footprint(old, -1)
+        tally._count_footprint(new, +1)
         if live0 != live1:
             tally.live_turns = _moved(self.live_turns, live0, live1)
         if tools0 != tools1:
@@ -112,11 +132,27 @@ class _Tally:
                     tally._count_done(group, delta)
         return tally
 
+    def _count_footprint(self, t: TrajectoryView, sign: int) -> None:
+        self.generating += sign * (t.stage is Stage.GENERATE)
+        if t.live and t.started:
+            self.resident += sign
+            self.resident_tokens += sign * t.context_tokens
+        elif t.stage is Stage.DONE:
+            self.finished += sign
+            self.finished_tokens += sign * t.context_tokens
+
     def _count_done(self, group: str, delta: int) -> None:
         size = self.group_size[group]
         self.complete_groups -= self.group_done.get(group, 0) == size
         _bump(self.group_done, group, delta)
         self.complete_groups += self.group_done.get(group, 0) == size
+
+
+def _first_waiting(entries: tuple[TrajectoryView, ...], start: int) -> int:
+    """The first position from ``start`` whose trajectory is live and has not started (len: none)."""
+    while start < len(entries) and (entries[start].started or not entries[start].live):
+        start += 1
+    return start
 
 
 def _counted_as(t: TrajectoryView) -> tuple[int | None, int | None, str | None]:
@@ -159,6 +195,10 @@ class RolloutView:
     trajectories: tuple[TrajectoryView, ...]
     target_groups: int | None = None
     now: float = 0.0
+    kv_tokens: int | None = None
+    """The engine's KV capacity in tokens (:attr:`EngineInfo.kv_tokens`); None: not reported."""
+    tool_latency: "ToolLatencies | None" = None
+    """Latencies of the tool calls finished so far in this batch, per tool (None: not tracked)."""
     _tally: _Tally = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,9 +208,12 @@ class RolloutView:
         """This view with the entry of trajectory ``entry.id`` replaced by ``entry``, at time ``now``."""
         pos = self._tally.positions[entry.id]
         view = object.__new__(RolloutView)
-        view.__dict__.update(trajectories=self.trajectories[:pos] + (entry,) + self.trajectories[pos + 1:],
-                             target_groups=self.target_groups, now=now,
-                             _tally=self._tally.replaced(self.trajectories[pos], entry))
+        entries = self.trajectories[:pos] + (entry,) + self.trajectories[pos + 1:]
+        tally = self._tally.replaced(self.trajectories[pos], entry)
+        if pos <= tally.first_waiting:  # within a batch trajectories only start: the scan is amortized O(1)
+            tally.first_waiting = _first_waiting(entries, min(pos, tally.first_waiting))
+        view.__dict__.update(trajectories=entries, target_groups=self.target_groups, now=now,
+                             kv_tokens=self.kv_tokens, tool_latency=self.tool_latency, _tally=tally)
         return view
 
     def __getitem__(self, tid: str) -> TrajectoryView:
@@ -210,6 +253,63 @@ class RolloutView:
     def generated_tokens(self) -> int:
         return self._tally.generated_tokens
 
+    @property
+    def resident(self) -> int:
+        """Live trajectories that have started (O(1))."""
+        return self._tally.resident
+
+    @property
+    def resident_tokens(self) -> int:
+        """Context tokens of the live trajectories that have started: the KV working set (O(1))."""
+        return self._tally.resident_tokens
+
+    @property
+    def first_waiting(self) -> str | None:
+        """The first trajectory, in batch order, that is live and has not started (None: none); amortized O(1)."""
+        pos = self._tally.first_waiting
+        return self.trajectories[pos].id if pos < len(self.trajectories) else None
+
+    @property
+    def generating(self) -> int:
+        """Trajectories with a request in the engine (O(1))."""
+        return self._tally.generating
+
+    @property
+    def mean_final_context(self) -> float | None:
+        """Mean context tokens of the trajectories done so far (a finished history's size); None before any (O(1))."""
+        return self._tally.finished_tokens / self._tally.finished if self._tally.finished else None
+
+
+class ToolLatencies:
+    """Latencies of finished tool calls, per tool, learned online (the executor records; policies read).
+    Keeps the last ``window`` per tool; quantiles are computed over them when asked."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.window = window
+        self._seen: dict[str, list[float]] = {}
+        self._next: dict[str, int] = {}
+
+    def record(self, tool: str, seconds: float) -> None:
+        seen = self._seen.setdefault(tool, [])
+        if len(seen) < self.window:
+            seen.append(seconds)
+        else:
+            i = self._next.get(tool, 0)
+            seen[i] = seconds
+            self._next[tool] = (i + 1) % self.window
+
+    def count(self, tool: str | None = None) -> int:
+        """Calls recorded for ``tool`` (None: every tool), up to the window."""
+        return len(self._seen.get(tool, ())) if tool is not None else sum(map(len, self._seen.values()))
+
+    def quantile(self, q: float, tool: str | None = None) -> float | None:
+        """The ``q`` quantile of ``tool``'s recorded latencies (None: over every tool); None before any."""
+        values = self._seen.get(tool, []) if tool is not None else [v for vs in self._seen.values() for v in vs]
+        if not values:
+            return None
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
 
 class Policy:
     """Base class: the defaults are per-trajectory asynchrony with nothing else (each hook is neutral)."""
@@ -229,6 +329,9 @@ class Policy:
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return 0
+
+    def keep_warm(self, view: RolloutView, tid: str) -> float:
+        return self.keep_warm_s
 
     def preempt(self, view: RolloutView) -> set[str]:
         return set()
@@ -268,7 +371,7 @@ class CompositePolicy(Policy):
         self.barrier = any(p.barrier for p in parts)  # type: ignore[misc]
         self.keep_warm_s = max(p.keep_warm_s for p in parts)
         self._asked = {hook: [p for p in parts if _overrides(p, hook)]
-                       for hook in ("may_generate", "may_run_tools", "priority", "preempt", "sampling")}
+                       for hook in ("may_generate", "may_run_tools", "priority", "keep_warm", "preempt", "sampling")}
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         return all(p.may_generate(view, tid) for p in self._asked["may_generate"])
@@ -278,6 +381,9 @@ class CompositePolicy(Policy):
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return sum(p.priority(view, tid) for p in self._asked["priority"])
+
+    def keep_warm(self, view: RolloutView, tid: str) -> float:
+        return max([self.keep_warm_s, *(p.keep_warm(view, tid) for p in self._asked["keep_warm"])])
 
     @property
     def preempts(self) -> bool:

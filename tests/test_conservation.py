@@ -47,7 +47,7 @@ async def test_a_carried_complete_group_is_returned_by_the_next_call(tokenizer):
     assert sorted(returned) == sorted(f"syn-{c}-{i}.s{j}" for c in range(3) for i in range(3) for j in range(2))
 
 
-@pytest.mark.parametrize("policy", ["sync", "async", "overlap+prefix+preempt"])
+@pytest.mark.parametrize("policy", ["sync", "async", "overlap+prefix+preempt", "overlap+kv+preempt"])
 async def test_every_started_trajectory_is_returned_exactly_once_over_20_steps(tokenizer, policy):
     """Over-provisioned steps (quota 3 groups, 2 extra) as the trainer runs them: each step adds only as many
     new groups as the carry-over leaves room for. Every started trajectory is returned once, or is in the

@@ -4,23 +4,32 @@ Engine calibration (wall clock, on the engine under test, after warm-up):
 
 * ``step_s``: seconds per decode step of one request alone;
 * ``peak_decode_tok_s``: decode tokens/s with ``max_running`` requests at once;
-* ``prefill_tok_s``: prompt tokens/s of one long cold prefill.
+* ``prefill_tok_s``: prompt tokens/s of one long cold prefill;
+* ``per_kv_token_s``: what one decode step spends per context token it attends to — the decode time of a few
+  requests with long prompts minus that with short ones, per extra context token (0 where the difference is
+  within noise). At hundreds of agents with 10k+-token histories a GPU's decode is bound by these KV reads, not by
+  the weights, and a bound calibrated at short contexts alone would be far below what any schedule can reach.
 
 Lower bound of one rollout step, from the work it actually did (its trajectories, returned or carried over):
 
-    lower_bound_s = max(decode_tokens / peak_decode_tok_s + unique_prefill_tokens / prefill_tok_s,
+    lower_bound_s = max(max(decode_tokens / peak_decode_tok_s, attended_tokens * per_kv_token_s)
+                        + unique_prefill_tokens / prefill_tok_s,
                         max over trajectories of its own critical path)
+
+where ``attended_tokens`` sums, over every generated token, the context it attends to (its position). A decode
+step takes at least the longer of its weight/compute time and its KV-read time, so the larger of the two
+decode terms is a bound (their sum would not be, on a compute-bound step).
 
 where ``unique_prefill_tokens`` counts each distinct non-generated prefix token once (a trie over all
 trajectories: shared prompts and fork points count once) and a trajectory's critical path is its generated
-tokens × ``step_s`` + its own unique prompt tokens / ``prefill_tok_s`` + per turn the longest of its tool calls
+tokens × ``step_s`` + its attended tokens × ``per_kv_token_s`` + its own unique prompt tokens / ``prefill_tok_s`` + per turn the longest of its tool calls
 (parallel calls overlap). No schedule can beat either term on this engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -35,9 +44,11 @@ class Calibration:
     step_s: float
     peak_decode_tok_s: float
     prefill_tok_s: float
+    per_kv_token_s: float = 0.0
 
 
-async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: int = 48) -> Calibration:
+async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: int = 48,
+                    long_context: int = 512) -> Calibration:
     rng = np.random.default_rng(0)
 
     def ids(n: int) -> tuple[int, ...]:
@@ -57,8 +68,33 @@ async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: i
     started = anyio.current_time()
     await engine.generate(GenerateRequest("cal.prefill", long_prompt, SamplingParams(max_new_tokens=1, temperature=0)))
     prefill = len(long_prompt) / (anyio.current_time() - started)
+    if long_context <= 16:  # the engine's context leaves no room to measure it
+        await engine.flush_cache()
+        return Calibration(step_s, peak, prefill)
+    extra = (await _decode_s(engine, ids, long_context, tokens) - await _decode_s(engine, ids, 16, tokens))
+    per_kv = max(0.0, extra / ((tokens - 1) * _KV_PROBES * (long_context - 16)))
     await engine.flush_cache()
-    return Calibration(step_s, peak, prefill)
+    return Calibration(step_s, peak, prefill, per_kv)
+
+
+_KV_PROBES = 8  # requests decoding at once while the KV-read cost is measured (few: the step stays memory-bound)
+
+
+async def _decode_s(engine: Engine, ids: Callable[[int], tuple[int, ...]], prompt_tokens: int, tokens: int) -> float:
+    """Seconds ``_KV_PROBES`` requests with ``prompt_tokens``-token prompts spend decoding ``tokens - 1`` tokens:
+    the time of prefill + ``tokens`` minus the time of the same prefills + 1 (cold, the cache flushed)."""
+
+    async def batch(prompts: list[tuple[int, ...]], n: int) -> float:
+        await engine.flush_cache()
+        sampling = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+        started = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate(prompts):
+                tg.start_soon(engine.generate, GenerateRequest(f"cal.kv{prompt_tokens}.{n}.{i}", prompt, sampling))
+        return anyio.current_time() - started
+
+    prompts = [ids(prompt_tokens) for _ in range(_KV_PROBES)]
+    return await batch(prompts, tokens) - await batch(prompts, 1)
 
 
 def unique_prefill_tokens(trajectories: Sequence[Trajectory]) -> int:
@@ -83,14 +119,21 @@ def sampled_tokens(trajectories: Sequence[Trajectory]) -> int:
 
 def critical_path_s(traj: Trajectory, cal: Calibration) -> float:
     tool_s = sum(max((r.latency_s for r in turn.tool_results), default=0.0) for turn in traj.turns)
-    return traj.num_generated * cal.step_s + traj.prompt_length / cal.prefill_tok_s + tool_s
+    kv_s = attended_tokens([traj]) * cal.per_kv_token_s  # a lone request's step is memory-bound: additive
+    return traj.num_generated * cal.step_s + kv_s + traj.prompt_length / cal.prefill_tok_s + tool_s
+
+
+def attended_tokens(trajectories: Sequence[Trajectory]) -> int:
+    """Context positions attended to by the generated tokens: the sum of every generated token's position."""
+    return sum(int(np.flatnonzero(t.kinds == TokenKind.GENERATED).sum()) for t in trajectories)
 
 
 def lower_bound_s(trajectories: Sequence[Trajectory], cal: Calibration) -> float:
     if not trajectories:
         return 0.0
-    decode = sampled_tokens(trajectories)
-    work = decode / cal.peak_decode_tok_s + unique_prefill_tokens(trajectories) / cal.prefill_tok_s
+    decode_s = max(sampled_tokens(trajectories) / cal.peak_decode_tok_s,
+                   attended_tokens(trajectories) * cal.per_kv_token_s)
+    work = decode_s + unique_prefill_tokens(trajectories) / cal.prefill_tok_s
     return max(work, max(critical_path_s(t, cal) for t in trajectories))
 
 

@@ -18,12 +18,13 @@ from rollopt.benchmark.measure import Calibration, calibrate, step_metrics
 from rollopt.benchmark.workloads import Workload
 from rollopt.chat import ChatRenderer
 from rollopt.config import LocalEngineConfig
-from rollopt.engines import build_engine
+from rollopt.engines import EngineContext, build_engine
 from rollopt.engines import engine_config as engine_config_by_name
 from rollopt.engines.base import Engine
 from rollopt.executor import RolloutExecutor, episode_specs
 from rollopt.modeling import LoadedModel
 from rollopt.schedulers import build_scheduler
+from rollopt.step import Environment
 
 MEDIAN_KEYS = ("makespan_s", "lower_bound_s", "tokens_generated", "throughput_tok_s", "engine_busy_frac",
                "prefill_tokens", "naive_prefill_tokens", "cached_tokens", "p50_latency_s", "p99_latency_s",
@@ -61,28 +62,39 @@ async def bench(run: BenchRun, engine: Any = None, model: LoadedModel | None = N
 
     engine = engine or engine_config("local", run.workload)
     model = model or load_model(run.workload.model, seed=run.seed)
-    return await run_policies(run, model, build_engine(engine, model), engine.kind, on_step)
+    env = run.workload.make_env()
+    script = None
+    if getattr(engine, "scripted", False) and hasattr(env, "simulated_model"):
+        script = env.simulated_model(model.tokenizer)  # the simulated engine writes the agent's turns
+    return await run_policies(run, model, build_engine(engine, model, EngineContext(script=script)), engine.kind,
+                              on_step, env)
 
 
 def _engine_counters(engine: Engine) -> dict[str, float]:
-    stats = getattr(engine, "stats", None)
-    if stats is None:
+    """The engine's busy time and prefill counters; over several servers (``RoutedEngine.engines``) the busy
+    time is their mean (so busy / makespan stays a fraction) and the token counts their sum."""
+    members = getattr(engine, "engines", [engine])
+    stats = [getattr(e, "stats", None) for e in members]
+    if not stats or any(s is None or callable(s) for s in stats):
         return {}
-    return {"busy_s": stats.busy_s, "prefill_tokens": stats.prefill_tokens, "cached_tokens": stats.cached_tokens}
+    return {"busy_s": sum(s.busy_s for s in stats) / len(stats), "prefill_tokens": sum(s.prefill_tokens for s in stats),
+            "cached_tokens": sum(s.cached_tokens for s in stats)}
 
 
 async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContextManager[Engine], engine_kind: str,
-                       on_step: Callable[[str, int], None] = lambda name, rep: None) -> dict[str, Any]:
-    """Run every policy ``repeats`` times on the engine ``engine_cm`` starts; return the report dict (see
-    ``rollopt bench --help``)."""
+                       on_step: Callable[[str, int], None] = lambda name, rep: None,
+                       env: Environment | None = None) -> dict[str, Any]:
+    """Run every policy ``repeats`` times on the engine ``engine_cm`` starts (on ``env``, default: the
+    workload's); return the report dict (see ``rollopt bench --help``)."""
     w = run.workload
-    env = w.make_env()
+    env = env or w.make_env()
     renderer = ChatRenderer(model.tokenizer)
     per_policy: dict[str, list[dict[str, float]]] = {name: [] for name in run.schedulers}
     async with AsyncExitStack() as stack:
         engine = await stack.enter_async_context(engine_cm)
         info = await engine.info()
-        cal: Calibration = await calibrate(engine, info.vocab_size, w.max_running)
+        cal: Calibration = await calibrate(engine, info.vocab_size, w.max_running,
+                                           long_context=min(512, info.max_context - 64))
         described = getattr(engine, "describe", lambda: "")()  # e.g. the sim's cost model (a projection?)
         for rep in range(run.repeats):
             for name in run.schedulers:

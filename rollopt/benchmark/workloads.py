@@ -3,16 +3,21 @@
 Synthetic workloads (``tool-heavy``, ``long-tail``, ``branching``) run the real model (real prefill and
 decode; lengths set by ``max_new_tokens`` + ``ignore_eos``) and real waits for tools (see
 ``rollopt.environments.synthetic``). ``calculator`` is the real environment with real tool calls and real
-text from SmolLM2-135M-Instruct.
+text from SmolLM2-135M-Instruct. The agentic workloads (``rollopt.environments.agentic``: a software-engineering
+agent, a search agent, a code-tool task, long-tail reasoning) come from published statistics; on the simulated
+engine their agent writes its tool calls into the token stream, on a real engine the calls are planned.
+Every shipped workload takes environment options (``-o key=value``), checked against its class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from rollopt.engines.base import SamplingParams
 from rollopt.environments import CalculatorEnv, SyntheticEnv
+from rollopt.environments.agentic import PROFILES, AgentEnv
 from rollopt.errors import ConfigError
 from rollopt.step import Environment
 
@@ -39,34 +44,42 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
         "tool-heavy",
         "12-16 turns of 8-16 tokens, one tool call per turn with log-normal latency (median 0.25 s, sigma 1): "
         "tool time well above decode time, as in multi-turn tool RL; 16 groups of 4",
-        lambda: SyntheticEnv(turns=(12, 16), tokens_per_turn=(8, 16), tools_per_turn=1, tool_latency_s=0.25,
-                             tool_sigma=1.0),
+        partial(SyntheticEnv, turns=(12, 16), tokens_per_turn=(8, 16), tools_per_turn=1, tool_latency_s=0.25,
+                tool_sigma=1.0),
         tasks=16, group_size=4, sampling=SamplingParams(temperature=1.0)),
     Workload(
         "long-tail",
         "1-2 turns of 16-32 tokens, short tools; 10% of tasks decode 30x longer (the last requests dominate)",
-        lambda: SyntheticEnv(turns=(1, 2), tokens_per_turn=(16, 32), tools_per_turn=1, tool_latency_s=0.02,
-                             tool_sigma=0.5, long_tail_fraction=0.1, long_tail_factor=30),
+        partial(SyntheticEnv, turns=(1, 2), tokens_per_turn=(16, 32), tools_per_turn=1, tool_latency_s=0.02,
+                tool_sigma=0.5, long_tail_fraction=0.1, long_tail_factor=30),
         tasks=16, group_size=4, sampling=SamplingParams(temperature=1.0), extra_groups=4),
     Workload(
         "branching",
         "tree rollouts: 3 turns, each episode forks into 4 branches after its first turn",
-        lambda: SyntheticEnv(turns=(3, 3), tokens_per_turn=(16, 32), tools_per_turn=1, tool_latency_s=0.1,
-                             tool_sigma=0.8, prompt_words=120),
+        partial(SyntheticEnv, turns=(3, 3), tokens_per_turn=(16, 32), tools_per_turn=1, tool_latency_s=0.1,
+                tool_sigma=0.8, prompt_words=120),
         tasks=8, group_size=1, sampling=SamplingParams(temperature=1.0),
         fork={"fork_after_turn": 0, "fork_branches": 4}),
     Workload(
         "group-prefix",
         "GRPO groups of 8 sharing a long prompt (single-turn, short answers): prefix sharing at G=8",
-        lambda: SyntheticEnv(turns=(1, 1), tokens_per_turn=(8, 16), tools_per_turn=0, prompt_words=300),
+        partial(SyntheticEnv, turns=(1, 1), tokens_per_turn=(8, 16), tools_per_turn=0, prompt_words=300),
         tasks=4, group_size=8, sampling=SamplingParams(temperature=1.0)),
     Workload(
         "calculator",
         "the calculator environment (few-shot) with SmolLM2-135M-Instruct: real tool calls, real text",
-        lambda: CalculatorEnv(difficulty=2, few_shot=True, max_turns=4),
+        partial(CalculatorEnv, difficulty=2, few_shot=True, max_turns=4),
         tasks=4, group_size=4, sampling=SamplingParams(max_new_tokens=64, temperature=0.7), model="smollm2",
         max_running=16),
+    *(Workload(p.name, f"{p.description} ({p.default_tasks * p.group_size} trajectories; sources in "
+                       "rollopt.environments.agentic)",
+               partial(AgentEnv, profile=p.name), tasks=p.default_tasks, group_size=p.group_size,
+               sampling=SamplingParams(temperature=1.0), max_running=256)
+      for p in PROFILES.values()),
 ]}
+"""The shipped workloads. The agentic ones (``swe-agent``, ``search-agent``, ``code-tool``, ``reasoning-tail``)
+are sized for the simulated engine at production scale; on a real CPU engine shrink them, e.g.
+``--tasks 4 -o token_scale=0.05 -o latency_scale=0.1``."""
 
 
 def environment_workload(env: Environment | Callable[[], Environment], name: str | None = None, tasks: int = 8,
@@ -87,8 +100,15 @@ def get_workload(name: str, env_options: dict[str, Any] | None = None, **overrid
     """A shipped workload by name, or an environment's (a registered or entry-point name, ``pkg.module:Class``
     or ``file.py:Class``, built with ``env_options``) with the default sizes of :func:`environment_workload`."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if name in WORKLOADS and not env_options:
-        return Workload(**{**WORKLOADS[name].__dict__, **overrides})
+    if name in WORKLOADS:
+        shipped = WORKLOADS[name]
+        if env_options:
+            from rollopt.plugins import check_call
+
+            make = shipped.make_env
+            check_call(make.func, {**make.keywords, **env_options}, f"workload {name!r}")  # type: ignore[attr-defined]
+            overrides["make_env"] = partial(make, **env_options)
+        return Workload(**{**shipped.__dict__, **overrides})
     from rollopt.environments import ENVIRONMENTS, check_environment_options
 
     if name not in ENVIRONMENTS and ":" not in name:

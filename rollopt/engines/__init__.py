@@ -30,6 +30,9 @@ class EngineContext:
 
     log_dir: Path | None = None  # where a server writes its log (None: a temporary place)
     progress: Callable[[str], None] = field(default=lambda message: None)  # one-line status messages
+    script: Callable[[Any], list[int]] | None = None
+    """How an engine that runs no model (the simulated one) decides each request's tokens: ``script(request)``;
+    an environment that scripts its agent provides it (``AgentEnv.simulated_model``). Other engines ignore it."""
 
 
 Opener = Callable[[Any, Any, EngineContext], AsyncContextManager[Any]]
@@ -136,11 +139,18 @@ async def _open_sim(config: SimEngineConfig, model: Any, context: EngineContext)
     vocab = len(model.tokenizer) if model.tokenizer is not None else hf.vocab_size
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
-    engine = SimEngine.from_config(config, shape, vocab_size=vocab, eos_token_ids=eos_ids, tokenizer=model.tokenizer,
-                                   model_name=model.name)
-    context.progress(engine.describe())
-    async with engine:
-        yield engine
+    engines = [SimEngine.from_config(config, shape, vocab_size=vocab, eos_token_ids=eos_ids, script=context.script,
+                                     tokenizer=model.tokenizer, model_name=model.name) for _ in range(config.servers)]
+    if config.servers == 1:
+        context.progress(engines[0].describe())
+        async with engines[0]:
+            yield engines[0]
+        return
+    from rollopt.engines.routed import RoutedEngine
+
+    async with RoutedEngine(engines, names=[f"sim{i}" for i in range(config.servers)]) as routed:
+        context.progress(routed.describe())
+        yield routed
 
 
 register_engine("sim", SimEngineConfig, _open_sim)

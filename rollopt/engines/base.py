@@ -128,6 +128,9 @@ class EngineInfo:
     max_context: int
     version: int
     eos_token_ids: tuple[int, ...] = ()
+    kv_tokens: int | None = None
+    """Tokens of KV the engine can keep between requests (its pool or prefix cache); None: not reported.
+    Policies that manage a trajectory's KV across its tool calls size their working set by it."""
 
 
 class Engine(abc.ABC):

@@ -190,7 +190,9 @@ class RoutedEngine(Engine):
                 stats.version = info.version
             self._check_versions()
             self.version = infos[0].version
-            self._info = replace(infos[0], max_context=min(i.max_context for i in infos))
+            kv = [i.kv_tokens for i in infos]
+            self._info = replace(infos[0], max_context=min(i.max_context for i in infos),
+                                 kv_tokens=None if None in kv else sum(kv))  # type: ignore[arg-type]
             self._stack = stack.pop_all()
         return self
 
@@ -210,6 +212,11 @@ class RoutedEngine(Engine):
         for stats, n, ok in zip(self._stats, self.router.in_flight, self.router.healthy):
             stats.in_flight, stats.healthy = n, ok
         return [replace(s) for s in self._stats]
+
+    def describe(self) -> str:
+        """One line for outputs: how many servers, and the first one's own description where it has one."""
+        first = getattr(self.engines[0], "describe", None)
+        return f"{len(self.engines)} servers behind RoutedEngine" + (f", each a {first()}" if first else "")
 
     def server_of(self, rid: str) -> str | None:
         """The name of the server running request ``rid`` now (``None`` if it is not in flight)."""

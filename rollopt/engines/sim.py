@@ -314,7 +314,8 @@ class SimEngine(CommandLoopEngine):
         return await self._command("update_weights", next_version(self.version, version))
 
     async def info(self) -> EngineInfo:
-        return EngineInfo(self.model_name, self.vocab_size, self.config.max_context, self.version, self.eos_token_ids)
+        return EngineInfo(self.model_name, self.vocab_size, self.config.max_context, self.version, self.eos_token_ids,
+                          kv_tokens=self.kv_tokens)
 
     # ------------------------------------------------------------------------------------------ loop
     def _has_work(self) -> bool:
