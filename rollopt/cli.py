@@ -7,23 +7,24 @@ import argparse
 import gc
 import sys
 import tomllib
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Awaitable, Callable
 
-import anyio
 from rich.console import Console
 
+from rollopt.cli_args import add_commands
+from rollopt.errors import RolloptError
 
 
-@contextmanager
-def _frozen_startup_heap() -> Iterator[None]:
-    """Hide the objects alive at the start (libraries, a loaded model) from the GC while the block runs: a full
-    collection rescans torch's ~0.5 M objects (0.24 s on the 2-core VM). Unfrozen at the end (for the tests)."""
+def _run(fn: Callable[[], Awaitable[Any]], engine: Any = None) -> Any:
+    """``fn()`` on the clock the engine configuration ``engine`` needs (:func:`rollopt.engines.run`), the startup
+    heap frozen: a full GC rescans torch's ~0.5 M objects (0.24 s on the 2-core VM). Unfrozen after (for tests)."""
+    from rollopt.engines import run
+
     gc.collect()
     gc.freeze()
     try:
-        yield
+        return run(fn, engine)
     finally:
         gc.unfreeze()
 
@@ -32,7 +33,7 @@ def _cmd_rollout(args: argparse.Namespace, console: Console) -> int:
     from rollopt.display import print_trajectory, summary_table
     from rollopt.engines import engine_config
     from rollopt.engines.base import SamplingParams
-    from rollopt.session import SessionConfig, check_session, rollout
+    from rollopt.session import SessionConfig, rollout
     from rollopt.storage import save_trajectories
     from rollopt.trainer.recipe import parse_options
 
@@ -41,10 +42,9 @@ def _cmd_rollout(args: argparse.Namespace, console: Console) -> int:
                                            **parse_options(args.engine_option)})
     config = SessionConfig(args.model, args.env, {**calc, **parse_options(args.env_option)}, engine, args.scheduler,
                            args.seed)
-    check_session(config)  # names and options, before the model loads
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    with console.status(f"{args.env}: {args.tasks} tasks × {args.group_size} on {args.model}"), _frozen_startup_heap():
-        out = anyio.run(lambda: rollout(config, args.tasks, args.group_size, sampling, args.seed))
+    with console.status(f"{args.env}: {args.tasks} tasks × {args.group_size} on {args.model}"):
+        out = _run(lambda: rollout(config, args.tasks, args.group_size, sampling, args.seed))
     for traj in () if args.quiet else out.trajectories:
         print_trajectory(console, traj, out.tokenizer)
     console.print(summary_table(out.trajectories, out.wall_s, out.engine_stats))
@@ -57,7 +57,6 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rollopt.benchmark.report import plot, table
     from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
     from rollopt.benchmark.workloads import get_workload
-    from rollopt.engines import run as run_on_engine_clock
     from rollopt.schedulers import build_scheduler
     from rollopt.trainer.recipe import parse_options
 
@@ -68,9 +67,8 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         build_scheduler(name)  # a typo fails before the model loads
     run = BenchRun(workload, schedulers, repeats=args.repeats, seed=args.seed, trace_dir=args.trace)
     engine = engine_config(args.engine, workload, **parse_options(args.engine_option))
-    with console.status(f"{workload.name} on {args.engine}: {len(schedulers)} policies × {args.repeats}"), \
-            _frozen_startup_heap():
-        report = run_on_engine_clock(lambda: bench(run, engine), engine)
+    with console.status(f"{workload.name} on {args.engine}: {len(schedulers)} policies × {args.repeats}"):
+        report = _run(lambda: bench(run, engine), engine)
     console.print(table(report))
     for path in (plot(report, args.plot) if args.plot else None, save_report(report, args.json) if args.json else None):
         if path is not None and not args.quiet:
@@ -90,22 +88,16 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     if not args.quiet:
         console.print(f"[bold]{recipe.name}[/]: mode {recipe.loop.mode}, scheduler {recipe.rollout.scheduler}, "
                       f"engine {recipe.rollout.engine}; writing {out}")
-    trainer = Trainer(recipe, out, resume=args.resume, log=lambda m: console.print(train_step_line(m)),
-                      progress=console.print)
-    with _frozen_startup_heap():
-        anyio.run(trainer.run)
+    _run(Trainer(recipe, out, resume=args.resume, log=lambda m: console.print(train_step_line(m)),
+                 progress=console.print).run)
     console.print(f"wrote {out / 'metrics.jsonl'}, {out / 'curves.png'}, {out / 'checkpoints'}")
     return 0
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from rollopt.errors import ConfigError
     from rollopt.report import report
 
-    try:
-        summary, paths = report(args.run_dir, args.out)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    summary, paths = report(args.run_dir, args.out)
     console.print(summary, markup=False, highlight=False)
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -122,8 +114,7 @@ def _cmd_validate(args: argparse.Namespace, console: Console) -> int:
     env = build_environment(args.env, **parse_options(args.env_option)) if args.env else None
     row = (lambda r: None) if args.quiet else (lambda r: console.print(f"{r.scheduler:>24} {r.check:<13} "
                                                                        f"{'pass' if r.passed else 'FAIL'}"))
-    with _frozen_startup_heap():
-        results = anyio.run(lambda: validate_policies(specs, None, row, args.e2e, env, args.check or None))
+    results = _run(lambda: validate_policies(specs, None, row, args.e2e, env, args.check or None))
     console.print(validate_table(results))
     if args.json:
         save_results(results, args.json)
@@ -138,8 +129,6 @@ def _cmd_serve_sglang(args: argparse.Namespace, console: Console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rollopt.cli_args import add_commands
-
     parser = argparse.ArgumentParser(prog="rollopt", description="Fast multi-turn, tool-using RL rollouts.")
     add_commands(parser, {"rollout": _cmd_rollout, "demo": _cmd_rollout, "bench": _cmd_bench, "train": _cmd_train,
                           "report": _cmd_report, "validate": _cmd_validate, "serve-sglang": _cmd_serve_sglang})
@@ -147,14 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollopt.errors import RolloptError
-
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, Console(soft_wrap=True))
-    except (RolloptError, FileNotFoundError, tomllib.TOMLDecodeError) as exc:
-        print(f"rollopt {args.command}: {exc}", file=sys.stderr)
-        return 2
+    except* (RolloptError, FileNotFoundError, tomllib.TOMLDecodeError) as error:  # alone or from a task group
+        while isinstance(error, BaseExceptionGroup):  # the first one
+            error = error.exceptions[0]
+        print(f"rollopt {args.command}: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollopt.errors import ConfigError
 from rollopt.timeline import PHASES
 
 PHASE_LABELS = {"queue": "queue wait", "prefill": "prefill", "resumed": "resume re-prefill", "decode": "decode",
@@ -150,7 +151,12 @@ def render(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
 
 
 def report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[str, list[Path]]:
-    """Render ``run_dir``'s PNGs into ``out_dir`` (default ``run_dir/report``); return the summary and paths."""
-    rows = read_metrics(run_dir)
-    paths = render(rows, Path(out_dir) if out_dir is not None else Path(run_dir) / "report")
-    return summary_text(summarize(rows)), paths
+    """Render ``run_dir``'s PNGs into ``out_dir`` (default ``run_dir/report``); return the summary and paths.
+    A run that cannot be reported (malformed or too old ``metrics.jsonl``) raises a one-line ConfigError;
+    a missing one, FileNotFoundError."""
+    try:
+        rows = read_metrics(run_dir)
+        paths = render(rows, Path(out_dir) if out_dir is not None else Path(run_dir) / "report")
+        return summary_text(summarize(rows)), paths
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

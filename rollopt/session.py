@@ -1,10 +1,13 @@
 """The one place a configuration becomes running parts: ``(env, engine, policy, renderer)``.
 
 :func:`check_session` resolves every name (environment and its options, scheduler, engine) without loading a
-model, so a typo is a one-line :class:`~rollopt.errors.ConfigError` before anything expensive. :func:`open_session`
-builds the parts, starts the engine and the environment's resources, and tears them down on exit. The CLI's
-``rollout``, ``bench``, the trainer and ``validate`` all go through here (the trainer and ``validate`` pass the
-model they hold; the others load it by name).
+model, so a typo is a one-line :class:`~rollopt.errors.ConfigError` before anything expensive.
+:func:`build_session_environment` builds the environment, :func:`start_session` starts the engine for a model and
+pairs it with an environment, a policy and a renderer, and :func:`open_session` does all of it (loading the model
+unless given) and also enters and leaves the environment. The CLI's ``rollout`` goes through :func:`open_session`;
+the trainer (which warm-starts on its environment before its engine starts, and passes the weights it trains)
+and ``validate`` (a fresh engine per check, on the environment and policy under test) build their environment
+here and go through :func:`start_session`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class SessionConfig:
 
 @dataclass
 class Session:
+    """A started session's parts; ``model`` is what the engine was started with."""
+
     env: Any
     engine: Any
     policy: Any
@@ -58,21 +63,40 @@ def check_session(config: SessionConfig) -> None:
                           f"{sorted(ENGINES)}")
 
 
+def build_session_environment(config: SessionConfig) -> Any:
+    """A new instance of ``config``'s environment (name and options checked first); not entered."""
+    from rollopt.environments import build_environment
+
+    return build_environment(config.environment, **config.environment_options)
+
+
 @asynccontextmanager
-async def open_session(config: SessionConfig, model: Any = None, context: Any = None) -> AsyncIterator[Session]:
-    """Check ``config``, load the model (unless given: a :class:`rollopt.modeling.LoadedModel`), start the engine
-    and the environment, yield the parts, and stop both on exit."""
+async def start_session(engine: Any, env: Any, model: Any, policy: Any, context: Any = None) -> AsyncIterator[Session]:
+    """Start the engine configuration ``engine`` (:func:`rollopt.engines.build_engine`) for ``model`` (a
+    :class:`rollopt.modeling.LoadedModel`) and yield it with ``env``, ``policy`` (a built policy, or a name that
+    :func:`rollopt.schedulers.build_scheduler` builds) and a renderer of the model's tokenizer; stop the engine on
+    exit. ``env`` stays the caller's: this neither enters nor leaves it."""
     from rollopt.chat import ChatRenderer
     from rollopt.engines import build_engine
-    from rollopt.environments import build_environment
-    from rollopt.modeling import load_model
     from rollopt.schedulers import build_scheduler
 
+    policy = build_scheduler(policy) if isinstance(policy, str) else policy
+    async with build_engine(engine, model, context) as started:
+        yield Session(env, started, policy, ChatRenderer(model.tokenizer), model)
+
+
+@asynccontextmanager
+async def open_session(config: SessionConfig, model: Any = None, context: Any = None) -> AsyncIterator[Session]:
+    """Check ``config``, build its environment, load the model (unless given: a
+    :class:`rollopt.modeling.LoadedModel`), start the engine and enter the environment, yield the parts, and
+    leave the environment and stop the engine on exit."""
+    from rollopt.modeling import load_model
+
     check_session(config)
-    env = build_environment(config.environment, **config.environment_options)
+    env = build_session_environment(config)
     model = model or load_model(config.model, seed=config.seed)
-    async with build_engine(config.engine, model, context) as engine, env:
-        yield Session(env, engine, build_scheduler(config.scheduler), ChatRenderer(model.tokenizer), model)
+    async with start_session(config.engine, env, model, config.scheduler, context) as session, env:
+        yield session
 
 
 @dataclass

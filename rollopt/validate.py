@@ -45,22 +45,22 @@ A policy with no risk class fails with check ``risk-class``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncContextManager, Callable, Sequence
 
 import numpy as np
 import torch
 
-from rollopt.chat import ChatRenderer
 from rollopt.engines.base import SamplingParams
 from rollopt.config import LocalEngineConfig
-from rollopt.engines import build_engine
 from rollopt.modeling import LoadedModel
 from rollopt.environments import SyntheticEnv
 from rollopt.step import Environment
 from rollopt.errors import ConfigError
 from rollopt.executor import RolloutExecutor, episode_specs
 from rollopt.schedulers import Policy, RiskClass, build_scheduler
+from rollopt.session import Session, start_session
 from rollopt.trajectory import Trajectory
 
 CHECKS_BY_RISK: dict[RiskClass, tuple[str, ...]] = {
@@ -118,7 +118,7 @@ def _env(cfg: ValidationConfig, long_tail: bool = False) -> SyntheticEnv:
 
 
 class Harness:
-    """One tiny peaked model, its tokenizer and a fresh batch-invariant engine per run."""
+    """One tiny peaked model, its tokenizer and a fresh session (:mod:`rollopt.session`) per run."""
 
     def __init__(self, cfg: ValidationConfig, environment: Environment | None = None) -> None:
         from rollopt.modeling.tiny import build_model, build_tokenizer
@@ -128,26 +128,25 @@ class Harness:
         self.tokenizer = build_tokenizer()
         self.model = build_model(len(self.tokenizer), init_scale=0.5, seed=cfg.seed,
                                  eos_token_id=self.tokenizer.eos_token_id)
-        self.renderer = ChatRenderer(self.tokenizer)
 
     def make_env(self, long_tail: bool = False) -> Environment:
         """The workload: the user's environment when one was given, else the synthetic one (``long_tail``: a
         fifth of its tasks 6× longer, for the checks where stragglers matter)."""
         return self.environment if self.environment is not None else _env(self.cfg, long_tail)
 
-    def engine(self):
-        """A fresh batch-invariant embedded engine (exact R1 parity needs invariant prefill), as an async
-        context manager."""
+    def session(self, env: Environment, policy: Policy | str) -> AsyncContextManager[Session]:
+        """``policy`` on ``env`` with a fresh batch-invariant embedded engine (exact R1 parity needs invariant
+        prefill) holding a copy of the model's weights (:func:`rollopt.session.start_session`)."""
         cfg = LocalEngineConfig(max_running=64, batch_invariant=True, invariant_prefill=True, seed=self.cfg.seed)
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
-        return build_engine(cfg, LoadedModel(self.model.config, weights, self.tokenizer, "tiny-llama"))
+        return start_session(cfg, env, LoadedModel(self.model.config, weights, self.tokenizer, "tiny-llama"), policy)
 
     async def rollout(self, policy: Policy | str, tasks: int, group: int, temperature: float) -> list[Trajectory]:
         env = self.make_env()
         specs = episode_specs(env.tasks(tasks, self.cfg.seed), group,
                               SamplingParams(max_new_tokens=64, temperature=temperature), self.cfg.seed)
-        async with self.engine() as engine:
-            result = await RolloutExecutor(env, engine, self.renderer, policy).run(specs)
+        async with self.session(env, policy) as s:
+            result = await RolloutExecutor(s.env, s.engine, s.renderer, s.policy).run(specs)
         return sorted(result.trajectories, key=lambda t: t.id)
 
 
@@ -190,6 +189,24 @@ def _traj_stats(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
     }
 
 
+def _ks_2samp(a: np.ndarray, b: np.ndarray):
+    """Two-sample KS test: the exact p-value where scipy can compute it, else the asymptotic one.
+
+    scipy's exact recursion gives up on some sample sizes with many ties (discrete metrics such as turns) and
+    falls back to the asymptotic p-value with a RuntimeWarning; this makes that same fallback explicit, so the
+    result does not depend on the process's warning filters.
+    """
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        try:
+            return stats.ks_2samp(a, b, method="exact")
+        except RuntimeWarning:
+            pass
+    return stats.ks_2samp(a, b, method="asymp")
+
+
 def _two_sample(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     from scipy import stats
 
@@ -198,7 +215,7 @@ def _two_sample(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
         return {"ks": 1.0, "ks_p": 0.0, "mw_p": 0.0}
     if np.array_equal(np.sort(a), np.sort(b)):
         return {"ks": 0.0, "ks_p": 1.0, "mw_p": 1.0}
-    ks = stats.ks_2samp(a, b)
+    ks = _ks_2samp(a, b)
     mw = stats.mannwhitneyu(a, b, alternative="two-sided") if np.ptp(np.r_[a, b]) > 0 else None
     return {"ks": float(ks.statistic), "ks_p": float(ks.pvalue), "mw_p": float(mw.pvalue) if mw else 1.0}
 
@@ -236,14 +253,14 @@ async def check_off_policy(h: Harness, spec: str | Policy, correction: str = "ti
     model = copy_model(h.model)
     generator = torch.Generator().manual_seed(cfg.seed)
     acted = 0
-    async with h.engine() as engine:
-        executor = RolloutExecutor(env, engine, h.renderer, policy)
+    async with h.session(env, policy) as s:
+        executor = RolloutExecutor(s.env, s.engine, s.renderer, s.policy)
         for batch in range(cfg.offpolicy_batches):
             specs = episode_specs(env.tasks(cfg.offpolicy_tasks + cfg.offpolicy_extra_groups, cfg.seed + batch),
                                   cfg.group_size_offpolicy, SamplingParams(max_new_tokens=64, temperature=1.0),
                                   cfg.seed + batch)
             result = await executor.run(specs, target_groups=cfg.offpolicy_tasks)
-            version = engine.version
+            version = s.engine.version
             for t in result.trajectories:
                 v = t.versions[t.loss_mask]
                 if len(v) and (v.min() < 0 or v.max() > version or np.any(np.diff(v) < 0)):
@@ -263,7 +280,7 @@ async def check_off_policy(h: Harness, spec: str | Policy, correction: str = "ti
             with torch.no_grad():  # the "trainer" moves on: perturb the weights and sync them
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator) * 0.02)
-            await engine.update_weights({k: v.clone() for k, v in model.state_dict().items()})
+            await s.engine.update_weights({k: v.clone() for k, v in model.state_dict().items()})
         lost = executor.carry
     all_lags = np.concatenate(lags) if lags else np.zeros(0)
     hist = {int(k): float(c) / max(len(all_lags), 1) for k, c in zip(*np.unique(all_lags, return_counts=True))}
@@ -284,8 +301,8 @@ async def _conservation_run(h: Harness, policy: Policy | str, extra_groups: int)
     started: list[str] = []
     returned: list[Trajectory] = []
     worst_groups = worst_age = 0
-    async with h.engine() as engine:
-        executor = RolloutExecutor(env, engine, h.renderer, policy)
+    async with h.session(env, policy) as s:
+        executor = RolloutExecutor(s.env, s.engine, s.renderer, s.policy)
         for step in range(cfg.conservation_steps):
             seed = cfg.seed + 1000 + step
             tasks = env.tasks(cfg.conservation_tasks + extra_groups, seed)

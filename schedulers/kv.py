@@ -15,13 +15,14 @@ driven by what the rollout graph knows:
   observation, so admitting on today's sizes alone would overfill the KV a few turns later. It holds nothing
   while fewer than ``saturation`` requests are in the engine: there the engine has room, and a program held
   back costs its tool overlap (its tools cannot run while it waits) for a recompute that is cheap on an
-  unsaturated engine. Past it, programs are admitted one at a time in batch order. On 32 software-engineering agents against a 40k-token KV, admission without this guard
-  cut prefill 5.6× and made the step 3.9× longer.
+  unsaturated engine. Past it, programs are admitted one at a time in batch order. On 32 software-engineering
+  agents against a 40k-token KV, admission without this guard cut prefill 5.6× and made the step 3.9× longer.
   Started trajectories are never held back, so admitted work finishes and frees its KV.
 * **Pinning** (``keep_warm``): each request of an admitted trajectory asks the engine to keep its KV for the
   ``quantile`` of the latencies seen so far of the tool it called last (learned online, per tool; before any
   is seen, ``prior_s``), times ``margin``, capped by ``max_pin_s``: a history whose tool is slower than that
-  is let go (its recompute is cheaper than the KV it would hold idle). Where the engine reports no KV size
+  is let go (its recompute is cheaper than the KV it would hold idle). While the live histories already hold
+  more than ``fill`` of the KV, nothing is pinned: a pin would then evict a running request's KV. Where the engine reports no KV size
   (:attr:`EngineInfo.kv_tokens` is None), nothing is held back and nothing pinned: the policy is ``async``.
 
 Programs already admitted come first at the engine (``priority``: one level above those not started), so a
@@ -40,8 +41,8 @@ class KVPolicy(Policy):
     name = "kv"
     risk_class = RiskClass.R1
 
-    def __init__(self, fill: float = 0.8, saturation: int = 64, quantile: float = 0.9, margin: float = 1.25, prior_s: float = 5.0,
-                 max_pin_s: float = 60.0) -> None:
+    def __init__(self, fill: float = 0.8, saturation: int = 64, quantile: float = 0.9, margin: float = 1.25,
+                 prior_s: float = 5.0, max_pin_s: float = 60.0) -> None:
         if not 0 < fill <= 1:
             raise ValueError(f"fill must be in (0, 1], got {fill}")
         if not 0 < quantile <= 1 or margin <= 0 or prior_s < 0 or max_pin_s < 0:

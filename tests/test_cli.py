@@ -4,7 +4,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from rollopt.cli import _frozen_startup_heap, main
+from rollopt.cli import _run, main
 from rollopt.storage import load_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,9 +28,11 @@ def test_rollout_command_runs_and_writes_trajectories(tmp_path, capsys):
 def test_commands_hide_the_startup_heap_from_the_collector_only_while_they_run():
     import gc
 
+    async def frozen_count() -> int:
+        return gc.get_freeze_count()
+
     assert gc.get_freeze_count() == 0
-    with _frozen_startup_heap():
-        assert gc.get_freeze_count() > 1000  # the imported libraries: full collections skip them
+    assert _run(frozen_count) > 1000  # the imported libraries: full collections skip them
     assert gc.get_freeze_count() == 0  # an in-process caller gets its normal collector back
 
 

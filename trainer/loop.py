@@ -50,10 +50,10 @@ import torch
 
 from rollopt.chat import ChatRenderer
 from rollopt.engines.base import Engine, SamplingParams
-from rollopt.environments import build_environment
 from rollopt.episodes import CarryOver, EpisodeSpec, episode_specs
 from rollopt.executor import RolloutExecutor
 from rollopt.seeds import EVAL, step_seed
+from rollopt.session import Session, build_session_environment, start_session
 from rollopt.timeline import timeline_totals, write_trace
 from rollopt.trajectory import Status, Trajectory
 from rollopt.trainer.attribution import WeightHistory, attribute_mismatch
@@ -112,7 +112,9 @@ def engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class Trainer:
     """Runs a recipe; see the module docstring. ``log`` receives each step's metrics dict as it is written.
-    Under ``torchrun`` this is rank 0 with ``data_parallel`` (:mod:`rollopt.trainer.distributed`): it alone rolls
+    Its environment, engine, policy and renderer come from :mod:`rollopt.session` (the recipe's
+    :meth:`~rollopt.trainer.recipe.Recipe.session_config`); it builds only the model it trains. Under
+    ``torchrun`` this is rank 0 with ``data_parallel`` (:mod:`rollopt.trainer.distributed`): it alone rolls
     out, syncs weights and writes; each update is sent to the other ranks and runs data-parallel."""
 
     def __init__(self, recipe: Recipe, out_dir: str | Path, resume: bool = False,
@@ -125,7 +127,8 @@ class Trainer:
         torch.manual_seed(recipe.loop.seed)
         self.model, self.tokenizer, self.model_name = build_trainable(recipe)
         self.renderer = ChatRenderer(self.tokenizer)
-        self.env = build_environment(recipe.environment.name, **recipe.environment.options)
+        self.session_config = recipe.session_config()
+        self.env = build_session_environment(self.session_config)
         a = recipe.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
                                            betas=tuple(a.adam_betas))
@@ -245,13 +248,14 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------ run
-    async def run_with_engine(self, engine: Engine) -> list[dict[str, Any]]:
-        """Train until ``loop.steps`` on a started engine that holds this trainer's current weights."""
-        recipe, out = self.recipe, []
+    async def run_session(self, session: Session) -> list[dict[str, Any]]:
+        """Train until ``loop.steps`` on a started session (:func:`rollopt.session.start_session`) whose engine
+        holds this trainer's current weights and whose environment is :attr:`env`."""
+        recipe, out, engine = self.recipe, [], session.engine
         if self.state.version > (await engine.info()).version:
             await engine.update_weights(engine_weights(self.model), version=self.state.version)
         self.weights.record(self.state.version, engine_weights(self.model))  # what the engine holds now
-        executor = RolloutExecutor(self.env, engine, self.renderer, recipe.rollout.scheduler)
+        executor = RolloutExecutor(session.env, engine, session.renderer, session.policy)
         executor.restore_carry(self.state.carry_over)
         first, last = self.state.step + 1, recipe.loop.steps
         if first > last:
@@ -279,7 +283,8 @@ class Trainer:
         return out
 
     async def run(self) -> list[dict[str, Any]]:
-        """Start the recipe's engine with the current weights, train, stop the engine; write ``curves.png``."""
+        """Open the session (start the recipe's engine with the current weights, enter the environment), train,
+        close it; write ``curves.png``."""
         from rollopt.trainer.plots import plot_curves
         from rollopt.trainer.trackers import build_trackers
 
@@ -288,11 +293,11 @@ class Trainer:
                                        project=t.project, wandb_mode=t.wandb_mode, metric_names=t.metric_names,
                                        first_step=self.state.step + 1)
         try:
-            async with self._engine() as engine:
+            async with self._session() as session, self.env:
                 await anyio.to_thread.run_sync(send_replica, self.dp, self.model, self.optimizer, self.update_config,
                                                self.recipe.off_policy, self.pad_token_id,
                                                self.recipe.rollout.temperature)
-                out = await self.run_with_engine(engine)
+                out = await self.run_session(session)
                 # the other ranks stop; on a failure torchrun stops them (a stop sent then could meet a collective)
                 await anyio.to_thread.run_sync(self.dp.broadcast_object, None)
         finally:
@@ -302,10 +307,12 @@ class Trainer:
         plot_curves(self.metrics_path, self.out_dir / "curves.png", title=self.recipe.name)
         return out
 
-    def _engine(self):
-        """The recipe's engine (:func:`rollopt.engines.build_engine`), holding the trainer's current weights."""
-        from rollopt.engines import EngineContext, build_engine
+    def _session(self):
+        """The recipe's session on :attr:`env` (:func:`rollopt.session.start_session`), its engine holding the
+        trainer's current weights; an async context manager."""
+        from rollopt.engines import EngineContext
         from rollopt.modeling import LoadedModel
 
         model = LoadedModel(self.model.config, engine_weights(self.model), self.tokenizer, self.model_name)
-        return build_engine(self.recipe.engine_config(), model, EngineContext(self.out_dir, self.progress))
+        c = self.session_config
+        return start_session(c.engine, self.env, model, c.scheduler, EngineContext(self.out_dir, self.progress))

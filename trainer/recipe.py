@@ -153,6 +153,13 @@ class Recipe:
                    "servers": {"urls": r.servers}}
         return engine_config(r.engine, **{**shipped.get(r.engine, {}), **r.engine_options})
 
+    def session_config(self) -> Any:
+        """The recipe's :class:`rollopt.session.SessionConfig`: model, environment, engine, scheduler, seed."""
+        from rollopt.session import SessionConfig
+
+        return SessionConfig(self.model.spec, self.environment.name, dict(self.environment.options),
+                             self.engine_config(), self.rollout.scheduler, self.loop.seed)
+
     @property
     def max_ahead(self) -> int:
         """How many batches the rollout may run ahead of the trainer."""
