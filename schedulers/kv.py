@@ -22,8 +22,9 @@ driven by what the rollout graph knows:
   ``quantile`` of the latencies seen so far of the tool it called last (learned online, per tool; before any
   is seen, ``prior_s``), times ``margin``, capped by ``max_pin_s``: a history whose tool is slower than that
   is let go (its recompute is cheaper than the KV it would hold idle). While the live histories already hold
-  more than ``fill`` of the KV, nothing is pinned: a pin would then evict a running request's KV. Where the engine reports no KV size
-  (:attr:`EngineInfo.kv_tokens` is None), nothing is held back and nothing pinned: the policy is ``async``.
+  more than ``fill`` of the KV, nothing is pinned: a pin would then evict a running request's KV. Where the
+  engine reports no KV size (:attr:`EngineInfo.kv_tokens` is None), nothing is held back and nothing pinned:
+  the policy is ``async``.
 
 Programs already admitted come first at the engine (``priority``: one level above those not started), so a
 newly admitted trajectory cannot take the batch slot of one whose history is warm.

@@ -53,3 +53,17 @@ def test_editable_install_imports_from_any_directory(tmp_path):
     code = "import rollopt, rollopt.schedulers, rollopt.trainer, rollopt.environments; print(rollopt.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith("rollopt/__init__.py")
+
+
+def test_a_config_error_raised_inside_a_task_group_is_one_line_with_exit_2(monkeypatch, capsys, tmp_path):
+    """An engine or environment started in a task group raises its ConfigError wrapped in an ExceptionGroup;
+    the command still prints the one line with the fix, not a traceback."""
+    import rollopt.cli as cli
+    from rollopt.errors import ConfigError
+
+    def failing(args, console):
+        raise ExceptionGroup("unhandled errors in a TaskGroup", [ConfigError("engine.kv_tokens: use an int")])
+
+    monkeypatch.setattr(cli, "_cmd_report", failing)
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "rollopt report: engine.kv_tokens: use an int\n"

@@ -174,3 +174,52 @@ def test_train_cli_reports_a_bad_recipe_and_names_the_fix(tmp_path, capsys, reci
     assert "does not exist; see recipes/" in capsys.readouterr().err
     assert main(["train", "--recipe", str(recipe_path), "loop.mode=asynch"]) == 2
     assert "loop.mode 'asynch'; use one of" in capsys.readouterr().err
+
+
+ENTERED_ENV = '''
+from pathlib import Path
+
+from rollopt.environments import SyntheticEnv
+
+
+class EnteredEnv(SyntheticEnv):
+    """Logs its lifetime: a reset outside ``async with env`` would find no resources (a sandbox pool, a DB)."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(turns=(1, 1), tokens_per_turn=(4, 8))
+        self.log, self.inside = Path(log), False
+
+    def _write(self, event: str) -> None:
+        with self.log.open("a") as f:
+            f.write(event + "\\n")
+
+    async def __aenter__(self):
+        self.inside = True
+        self._write("enter")
+        return self
+
+    async def __aexit__(self, *exc_info):
+        self.inside = False
+        self._write("exit")
+
+    def reset(self, task):
+        self._write("reset inside" if self.inside else "reset outside")
+        return super().reset(task)
+'''
+
+
+def test_train_runs_its_episodes_inside_the_environments_async_with(tmp_path):
+    """The trainer enters its environment around the run (as rollout and bench do), so an environment that
+    acquires resources in ``__aenter__`` (``python_tool``'s sandbox pool) can be trained on."""
+    from rollopt.cli import main
+
+    (tmp_path / "entered_env.py").write_text(ENTERED_ENV)
+    log = tmp_path / "events.log"
+    assert main(["train", "--recipe", "recipes/calculator-tiny.toml", "--steps", "2", "--out", str(tmp_path / "run"),
+                 "-q", f"environment.name={tmp_path / 'entered_env.py'}:EnteredEnv",
+                 f"environment.options={{log = '{log}'}}", "warm_start.steps=0", "rollout.tasks_per_step=2",
+                 "rollout.group_size=2", "rollout.extra_groups=0", "rollout.eval_tasks=0", "attribution.sequences=0",
+                 "loop.mode=sync"]) == 0
+    events = log.read_text().split("\n")[:-1]
+    assert events[0] == "enter" and events[-1] == "exit" and events.count("enter") == 1
+    assert events.count("reset inside") == 2 * 2 * 2 and "reset outside" not in events  # steps × tasks × group
