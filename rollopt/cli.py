@@ -54,12 +54,14 @@ def _cmd_rollout(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from rollopt.benchmark.report import plot, table
+    from rollopt.benchmark.report import plot, table, track_report
     from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
     from rollopt.benchmark.workloads import get_workload
     from rollopt.schedulers import build_scheduler
     from rollopt.trainer.recipe import parse_options
+    from rollopt.trainer.trackers import parse_track
 
+    trackers = parse_track(args.track or "")  # an unknown tracker fails before the model loads
     workload = get_workload(args.workload, parse_options(args.env_option), tasks=args.tasks,
                             group_size=args.group_size, model=args.model)
     schedulers = tuple(s.strip() for s in args.schedulers.split(",") if s.strip())
@@ -70,9 +72,25 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     with console.status(f"{workload.name} on {args.engine}: {len(schedulers)} policies × {args.repeats}"):
         report = _run(lambda: bench(run, engine), engine)
     console.print(table(report))
-    for path in (plot(report, args.plot) if args.plot else None, save_report(report, args.json) if args.json else None):
+    for path in (plot(report, args.plot) if args.plot else None, save_report(report, args.json) if args.json else None,
+                 track_report(report, trackers, args.track_dir, wandb_mode=args.wandb_mode) if trackers else None):
         if path is not None and not args.quiet:
             console.print(f"wrote {path}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from rollopt.benchmark.runner import engine_config
+    from rollopt.display import calibration_table
+    from rollopt.engines.sim_calibration import calibrate_engine
+    from rollopt.trainer.recipe import parse_options
+
+    engine = engine_config(args.engine, **parse_options(args.engine_option))
+    out = args.out or Path("costs") / f"{args.engine}-{args.model}.json"
+    with console.status(f"calibrating {args.engine} with {args.model}") as status:
+        fit = _run(lambda: calibrate_engine(engine, args.model, repeats=args.repeats, progress=status.update), engine)
+    console.print(calibration_table(fit))
+    console.print(f"wrote {fit.save(out)}; use it with --engine sim --engine-option cost_file={out}")
     return 0
 
 
@@ -130,7 +148,8 @@ def _cmd_serve_sglang(args: argparse.Namespace, console: Console) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollopt", description="Fast multi-turn, tool-using RL rollouts.")
-    add_commands(parser, {"rollout": _cmd_rollout, "demo": _cmd_rollout, "bench": _cmd_bench, "train": _cmd_train,
+    add_commands(parser, {"rollout": _cmd_rollout, "demo": _cmd_rollout, "bench": _cmd_bench,
+                          "calibrate": _cmd_calibrate, "train": _cmd_train,
                           "report": _cmd_report, "validate": _cmd_validate, "serve-sglang": _cmd_serve_sglang})
     return parser
 

@@ -63,6 +63,19 @@ def add_commands(parser: argparse.ArgumentParser, handlers: dict[str, Callable])
     bench.add_argument("--json", type=Path, default=None, help="write the report as JSON")
     bench.add_argument("--plot", type=Path, default=None, help="write speedup bars and timelines as PNG")
     bench.add_argument("--trace", type=Path, default=None, help="write a Perfetto trace + graph per policy here")
+    bench.add_argument("--track", default=None, metavar="BACKENDS",
+                       help="also log the report to experiment trackers, comma-separated: tensorboard, wandb")
+    bench.add_argument("--track-dir", type=Path, default=None,
+                       help="where the trackers write (default: runs/bench-<workload>)")
+    bench.add_argument("--wandb-mode", default="offline", choices=("offline", "online"),
+                       help="W&B: offline (no account, no network; `wandb sync` later) or online")
+    calibrate = command("calibrate", "fit the simulated engine's cost model to a real engine (writes a cost file)")
+    calibrate.add_argument("--engine", default="local", help="the engine to measure: local (embedded), sglang")
+    calibrate.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                           help="a field of the engine's configuration (repeatable), as for bench")
+    calibrate.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or an HF model directory")
+    calibrate.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every probe (median)")
+    calibrate.add_argument("--out", type=Path, default=None, help="the cost file (default: costs/ENGINE-MODEL.json)")
     train = command("train", "train with the optimized rollout from a recipe (recipes/*.toml)")
     train.add_argument("--recipe", type=Path, required=True, help="a TOML recipe, e.g. recipes/calculator-tiny.toml")
     train.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe name>)")

@@ -72,8 +72,8 @@ class LocalEngineConfig:
             depend on how a prefix was computed (chunk, decode, cache hit) and greedy output does not depend on
             the timing of cache hits. Exact R1 parity across schedulers needs it; prefill is several times slower.
         seed: seeds requests that give no seed of their own (request n gets ``seed + n``).
-        defer_shared_prefill: admit a request whose first block matches a request still prefilling only
-            after that prefill, so it reuses the KV (like SGLang's in-batch prefix caching).
+        defer_shared_prefill: admit a request whose first uncached block a request still prefilling computes
+            only after that prefill, so it reuses the KV (like SGLang's in-batch prefix caching).
         threads: intra-op threads of the forward passes (None: torch's setting). Set for each tick and restored
             after it, so a trainer in the same process keeps its own. With few cores, fewer engine threads leave a
             core to the event loop (executor, tools, streaming): on this 2-core machine a tick in the worker
@@ -221,9 +221,15 @@ class SimEngineConfig:
     kv_tokens: int | None = None
     """KV pool capacity in tokens; None: (memory × mem_fraction − weights) / KV bytes per token."""
     linear: tuple[float, ...] = ()
-    """(fixed_s, per_prefill_token_s, per_decode_seq_s, per_kv_token_s) of a fitted LinearCost; empty: roofline."""
+    """(fixed_s, per_prefill_token_s, per_decode_seq_s, per_kv_token_s[, per_attention_pair_s,
+    per_prefill_seq_s]) of a fitted LinearCost; empty: roofline."""
     fitted_to: str = ""
     """What ``linear`` was fitted to (printed in the cost model's name); required with ``linear``."""
+    cost_file: str | None = None
+    """A cost file written by ``rollopt calibrate`` (:mod:`rollopt.engines.sim_calibration`): sets ``linear``
+    and ``fitted_to``, ``kv_tokens`` unless given, and the calibrated engine's ``max_running``,
+    ``prefill_chunk``, ``block_size`` and ``max_context`` where these are left at their defaults, so the sim
+    replays the engine it was fitted to."""
     efficiency: tuple[float, float] = (0.80, 0.90)
     """Roofline (compute, memory) fractions of peak (measured H200 figures, notes/agentic-scale.md)."""
     max_running: int = 256
@@ -235,7 +241,7 @@ class SimEngineConfig:
     block_size: int = 16
     """KV page size in tokens (the prefix cache matches whole pages)."""
     defer_shared_prefill: bool = True
-    """Admit a request whose first page another request is prefilling, and not yet cached, after that prefill."""
+    """Admit a request whose first uncached page another request is prefilling after that prefill."""
     filler_token: int | None = None
     """Token the default script emits (max_new_tokens of them); None: vocab_size // 2 (skipping eos ids)."""
     logprob: float = -1.0
@@ -245,6 +251,8 @@ class SimEngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "engine.")
+        if self.cost_file is not None:
+            self._apply_cost_file()
         for name in ("tp", "max_running", "max_context", "prefill_chunk", "block_size", "servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
@@ -253,9 +261,10 @@ class SimEngineConfig:
                               f"got {self.mem_fraction}")
         if self.kv_tokens is not None and self.kv_tokens < self.block_size:
             raise ConfigError(f"engine.kv_tokens must hold one block ({self.block_size} tokens), got {self.kv_tokens}")
-        if self.linear and (len(self.linear) != 4 or min(self.linear) < 0):
-            raise ConfigError(f"engine.linear = {self.linear!r}: give 4 coefficients >= 0 "
-                              "(fixed_s, per_prefill_token_s, per_decode_seq_s, per_kv_token_s)")
+        if self.linear and (not 4 <= len(self.linear) <= 6 or min(self.linear) < 0):
+            raise ConfigError(f"engine.linear = {self.linear!r}: give 4 to 6 coefficients >= 0 "
+                              "(fixed_s, per_prefill_token_s, per_decode_seq_s, per_kv_token_s[, "
+                              "per_attention_pair_s, per_prefill_seq_s])")
         if self.linear and not self.fitted_to:
             raise ConfigError("engine.linear needs engine.fitted_to naming what it was fitted to, "
                               'e.g. "local-cpu tiny"')
@@ -273,3 +282,20 @@ class SimEngineConfig:
         elif self.kv_tokens is not None and self.kv_tokens < self.max_context:
             raise ConfigError(f"the KV pool (engine.kv_tokens={self.kv_tokens}) cannot hold one max_context="
                               f"{self.max_context} request; lower engine.max_context or raise engine.kv_tokens")
+
+    def _apply_cost_file(self) -> None:
+        """Fill the fields ``cost_file`` sets (see its docstring); frozen, hence ``object.__setattr__``."""
+        from rollopt.engines.sim_calibration import load_cost_file
+
+        if self.linear:
+            raise ConfigError("give engine.cost_file or engine.linear, not both")
+        loaded = load_cost_file(self.cost_file)
+        values = {"linear": loaded.linear, "fitted_to": loaded.fitted_to}
+        if self.kv_tokens is None:
+            values["kv_tokens"] = loaded.sizes.kv_tokens
+        for f in dataclasses.fields(self):
+            if f.name in ("max_running", "prefill_chunk", "block_size", "max_context") and \
+                    getattr(self, f.name) == f.default:
+                values[f.name] = getattr(loaded.sizes, f.name)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)

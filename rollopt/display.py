@@ -91,3 +91,23 @@ def validate_table(results: Sequence[Any]) -> FitTable:
              "passed": "yes" if r.passed else "NO", "statistic": r.statistic,
              "p": "-" if r.p_value is None else f"{r.p_value:.3g}", "n": r.n} for r in results]
     return FitTable(rows, VALIDATE_COLUMNS, title="rollopt validate · local · tiny-llama", more_hint="--json")
+
+
+CALIBRATION_COLUMNS = [
+    Column("probe", "batch × prompt × new", justify="left"),
+    Column("median_ms", "measured ms", "{:.1f}"),
+    Column("fitted_ms", "fitted ms", "{:.1f}"),
+    Column("error", "error", "{:+.0%}"),
+    Column("range", "measured min-max", priority=1),
+    Column("iterations", "iterations", priority=2),
+]
+
+
+def calibration_table(fit: Any) -> FitTable:
+    """``rollopt calibrate``'s probes (:class:`rollopt.engines.sim_calibration.CostFit`): measured against what
+    the fitted cost model gives for the simulated engine's plan of the same probe."""
+    rows = [{"probe": f"{p.probe.batch} × {p.probe.prompt_tokens} × {p.probe.new_tokens}",
+             "median_ms": p.median_s * 1e3, "fitted_ms": p.fitted_s * 1e3,
+             "error": p.fitted_s / p.median_s - 1, "iterations": p.iterations,
+             "range": f"{min(p.measured_s) * 1e3:.1f}-{max(p.measured_s) * 1e3:.1f}"} for p in fit.probes]
+    return FitTable(rows, CALIBRATION_COLUMNS, title=f"rollopt calibrate · {fit.cost.name}", more_hint="the file")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Collection, Iterable
 
 from rollopt.config import SamplingParams
 
@@ -327,6 +327,12 @@ class Policy:
     def may_run_tools(self, view: RolloutView, tid: str) -> bool:
         return True
 
+    def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:
+        """Of the trajectories waiting at ``may_generate`` that have not started, those whose gate may be open
+        now (a superset; default: all of them). The executor re-checks only these after a state change, so a
+        policy that admits in a fixed order returns just the next one and a change costs O(1), not O(waiting)."""
+        return not_started
+
     def priority(self, view: RolloutView, tid: str) -> int:
         return 0
 
@@ -371,13 +377,20 @@ class CompositePolicy(Policy):
         self.barrier = any(p.barrier for p in parts)  # type: ignore[misc]
         self.keep_warm_s = max(p.keep_warm_s for p in parts)
         self._asked = {hook: [p for p in parts if _overrides(p, hook)]
-                       for hook in ("may_generate", "may_run_tools", "priority", "keep_warm", "preempt", "sampling")}
+                       for hook in ("may_generate", "may_run_tools", "admission_candidates", "priority", "keep_warm",
+                                    "preempt", "sampling")}
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         return all(p.may_generate(view, tid) for p in self._asked["may_generate"])
 
     def may_run_tools(self, view: RolloutView, tid: str) -> bool:
         return all(p.may_run_tools(view, tid) for p in self._asked["may_run_tools"])
+
+    def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:
+        """Each part narrows what the previous one left (gates are AND-ed: open for all parts ⊆ every part's)."""
+        for p in self._asked["admission_candidates"]:
+            not_started = list(p.admission_candidates(view, not_started))
+        return not_started
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return sum(p.priority(view, tid) for p in self._asked["priority"])

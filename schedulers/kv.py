@@ -35,6 +35,8 @@ either (batch-invariant engine; ``rollopt validate`` checks greedy token parity)
 
 from __future__ import annotations
 
+from typing import Collection, Iterable
+
 from rollopt.schedulers.base import Policy, RiskClass, RolloutView
 
 
@@ -62,6 +64,13 @@ class KVPolicy(Policy):
         final = view.mean_final_context or 0.0  # what a history grows to, learned from those done
         working_set = max(view.resident_tokens, view.resident * final)
         return working_set + max(t.context_tokens, final) <= self.fill * view.kv_tokens
+
+    def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:
+        """Under load only the first waiting trajectory in batch order can be admitted (O(1))."""
+        if view.kv_tokens is None or view.generating < self.saturation:
+            return not_started
+        first = view.first_waiting
+        return (first,) if first is not None and first in not_started else ()
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return 1 if view[tid].started else 0

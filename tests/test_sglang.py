@@ -479,3 +479,19 @@ async def test_training_on_a_real_sglang_server_syncs_weights_every_step(tmp_pat
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     assert all(r["staleness/max"] == 0 and r["grad_norm"] > 0 for r in rows)
     assert all(r["mismatch/lag0/abs_dlogp"] < 1e-3 for r in rows), [r["mismatch/lag0/abs_dlogp"] for r in rows]
+
+
+async def test_calibrate_reads_the_servers_sizes_and_fits_its_probes(sglang_server):
+    """``rollopt calibrate --engine sglang``'s core on the real server: the sizes come from ``/server_info``
+    and a fit of a few probes gives non-negative coefficients that price every probe."""
+    from rollopt.engines.sim_calibration import Probe, calibrate, engine_sizes
+
+    async with SGLangEngine(sglang_server.base_url) as eng:
+        sizes = await engine_sizes(eng, None)
+        assert sizes.max_running >= 1 and sizes.prefill_chunk >= 1 and sizes.block_size >= 1
+        assert sizes.kv_tokens >= sizes.max_context >= 64
+        probes = [Probe(b, p, n) for b in (1, 4) for p in (16, 48) for n in (4, 12)]
+        fit = await calibrate(eng, sizes, "sglang tiny", probes=probes, repeats=1)
+    assert min(fit.cost.coefficients) >= 0
+    assert [p.probe for p in fit.probes] == probes and all(p.fitted_s > 0 for p in fit.probes)
+    assert fit.cost.name.startswith("fitted:sglang tiny (linear, 8 probes")

@@ -252,6 +252,34 @@ def test_cached_tokens_for_a_grpo_group_and_a_multi_turn_continuation():
     run(main)
 
 
+def test_a_group_prompt_longer_than_a_prefill_chunk_is_computed_once_and_later_turns_are_not_held_back():
+    """Siblings wait while the leader computes pages they would compute too (not only its first page); a
+    sibling whose shared part is cached already starts at once."""
+    prompt = list(range(1, 202))  # 201 tokens: four 64-token chunks; a chunk caches 4 pages of 16
+
+    async def main():
+        async with sim(prefill_chunk=64, record=True) as engine:
+            await engine.pause("in_place")
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(engine.generate, req(f"g{i}", prompt, 4))
+                await anyio.sleep(1)
+                await engine.resume()
+            assert engine.stats.prefill_tokens == 201 + 3 * 9  # the prompt once, then each sibling's last 9
+            assert engine.stats.cached_tokens == 3 * 192
+            engine.iterations.clear()
+            # two siblings continue at once: their shared 192 tokens are cached, their turns differ
+            a = prompt + [500] * 40
+            b = prompt + [600] * 40
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.generate, req("a2", a, 2))
+                tg.start_soon(engine.generate, req("b2", b, 2))
+            first = engine.iterations[0][1]
+            assert (first.prefill_seqs, first.prefill_tokens) == (2, 64)  # both start in one chunk of 64
+
+    run(main)
+
+
 def _pin_scenario(keep_warm_s: float, pressure_at: float) -> tuple[int, SimEngine]:
     """Turn 1 of A (64 + 16 tokens), a tool wait, then three unrelated 96 + 16-token requests that need the
     space (a 16-page pool), then A's turn 2 at virtual time 8: how much of A's history is still cached."""

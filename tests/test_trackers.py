@@ -118,6 +118,18 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
+def _finished_wandb_records(log: Path) -> list:
+    """The records of an offline run's log once its exit record is written (``run.finish()`` can return before
+    wandb-core has written the log out)."""
+    deadline = time.monotonic() + 20
+    records = _wandb_records(log)
+    while not records or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, "the offline run's log has no exit record"
+        time.sleep(0.1)
+        records = _wandb_records(log)
+    return records
+
+
 def test_wandb_offline_run_holds_both_steps(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
@@ -126,12 +138,7 @@ def test_wandb_offline_run_holds_both_steps(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     _log_two_steps(build_trackers(["wandb"], tmp_path, "calc-run", CONFIG, project="rollopt-test"))
     [log] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    deadline = time.monotonic() + 20  # run.finish() can return before wandb-core has written the log out
-    records = _wandb_records(log)
-    while not records or records[-1].WhichOneof("record_type") != "exit":
-        assert time.monotonic() < deadline, "the offline run's log has no exit record"
-        time.sleep(0.1)
-        records = _wandb_records(log)
+    records = _finished_wandb_records(log)
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.project, run.display_name) == ("rollopt-test", "calc-run")
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
@@ -169,12 +176,50 @@ def test_a_two_step_train_writes_tensorboard_and_a_wandb_offline_run(tmp_path, m
         (r["step"], pytest.approx(r["reward_mean"])) for r in rows]
     assert [e.step for e in acc.Scalars("trained")] == [1, 2]
     [log] = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
-    deadline = time.monotonic() + 20
-    records = _wandb_records(log)
-    while not records or records[-1].WhichOneof("record_type") != "exit":
-        assert time.monotonic() < deadline, "the offline run's log has no exit record"
-        time.sleep(0.1)
-        records = _wandb_records(log)
+    records = _finished_wandb_records(log)
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]
     assert [h["critic/rewards/mean"] for h in history] == pytest.approx([r["reward_mean"] for r in rows])
+
+
+def test_bench_track_writes_the_report_to_tensorboard_and_a_wandb_offline_run(tmp_path, monkeypatch):
+    """``rollopt bench --track tensorboard,wandb``: every policy's numbers, read back at step 0 from both."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rollopt.cli import main
+
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / var.lower()))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out, report = tmp_path / "track", tmp_path / "bench.json"
+    assert main(["bench", "--engine", "sim", "--engine-option", "model_shape=llama-3.2-1b", "--workload", "tool-heavy",
+                 "--tasks", "2", "--group-size", "2", "--schedulers", "sync,async+preempt", "--repeats", "1",
+                 "--json", str(report), "--track", "tensorboard,wandb", "--track-dir", str(out), "-q"]) == 0
+    policies = {p["scheduler"]: p for p in json.loads(report.read_text())["policies"]}
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    for name, policy in policies.items():
+        for field in ("makespan_s", "efficiency", "p99_latency_s", "prefill_tokens", "lost_tokens"):
+            assert [(e.step, e.value) for e in acc.Scalars(f"bench/{name}/{field}")] == [
+                (0, pytest.approx(policy[field]))]
+    [log] = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    records = _finished_wandb_records(log)
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "bench-tool-heavy"
+    assert {item.key: json.loads(item.value_json) for item in run.config.update}["engine"] == "sim"
+    [history] = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+                 for r in records if r.WhichOneof("record_type") == "history"]
+    for name, policy in policies.items():
+        assert history[f"bench/{name}/makespan_s"] == pytest.approx(policy["makespan_s"])
+
+
+def test_bench_with_an_unknown_tracker_is_one_line_before_the_model_loads(tmp_path, capsys):
+    from rollopt.cli import main
+
+    assert main(["bench", "--workload", "tool-heavy", "--track", "tensorboard,mlflow",
+                 "--track-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == "rollopt bench: --track: unknown tracker 'mlflow'; use any of tensorboard, wandb\n"
+    assert not any(tmp_path.iterdir())

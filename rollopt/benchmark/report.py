@@ -8,8 +8,9 @@ under it (they are all in ``--json``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rollopt.tables import Column, FitTable
 
@@ -61,6 +62,29 @@ def tracker_metrics(report: dict[str, Any]) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[f"bench/{p['scheduler']}/{field}"] = float(value)
     return out
+
+
+def track_report(report: dict[str, Any], backends: Sequence[str], out_dir: str | Path | None = None, *,
+                 wandb_mode: str = "offline") -> Path:
+    """Log :func:`tracker_metrics` to each tracker in ``backends`` (``tensorboard``, ``wandb``), once, at step 0,
+    under ``out_dir`` (``out_dir/tensorboard``, ``out_dir/wandb``; default ``runs/bench-<workload>``), with the
+    report's setup (workload, engine, model, seed, baseline, machine) as the run's config, and return ``out_dir``.
+    Names are the report's own, ``bench/<policy>/<field>`` (verl logs no bench). The W&B run is named
+    ``bench-<workload>``. Raises :class:`~rollopt.errors.ConfigError` for an unknown backend or a missing
+    package, before anything is written."""
+    from rollopt.trainer.trackers import build_trackers
+
+    run_name = "bench-" + re.sub(r"[^\w.-]+", "_", str(report["workload"]))  # a user's file.py:Class too
+    out_dir = Path(out_dir) if out_dir is not None else Path("runs") / run_name
+    config = {k: report[k] for k in ("workload", "engine", "model", "seed", "baseline", "machine") if k in report}
+    trackers = build_trackers(backends, out_dir, run_name, config, wandb_mode=wandb_mode, metric_names="rollopt")
+    try:
+        for tracker in trackers:
+            tracker.log(tracker_metrics(report), step=0)
+    finally:
+        for tracker in trackers:
+            tracker.close()
+    return out_dir
 
 
 def plot(report: dict[str, Any], path: str | Path) -> Path:

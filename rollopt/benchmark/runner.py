@@ -40,12 +40,13 @@ class BenchRun:
     trace_dir: Path | None = None
 
 
-def engine_config(kind: str, workload: Workload, **options: Any) -> Any:
+def engine_config(kind: str, workload: Workload | None = None, **options: Any) -> Any:
     """The bench's configuration of engine ``kind`` for ``workload``: the embedded engine sized for it (one
-    OpenMP thread, leaving the second core to the event loop), or a registered engine's defaults; ``options``
-    override fields (``rollopt bench --engine-option``)."""
+    OpenMP thread, leaving the second core to the event loop; without a workload, a workload's default running
+    limit), or a registered engine's defaults; ``options`` override fields (``rollopt bench --engine-option``)."""
     if kind == "local":
-        options = {"max_running": workload.max_running, "max_context": 4096, "prefix_cache_tokens": 65536,
+        max_running = workload.max_running if workload is not None else Workload.max_running
+        options = {"max_running": max_running, "max_context": 4096, "prefix_cache_tokens": 65536,
                    "kv_budget_mb": 12288, "threads": 1, **options}
     return engine_config_by_name(kind, **options)
 

@@ -303,12 +303,14 @@ class LocalEngine(CommandLoopEngine):
         self.stats.decode_s += time.perf_counter() - middle
 
     def _shares_block_with_prefill(self, r: _Request) -> bool:
-        """True if ``r``'s first block equals that of a request still prefilling: admitting ``r`` after that
-        prefill lets it reuse the KV from the prefix cache instead of computing it again (GRPO groups)."""
-        bs = self.engine_config.block_size
-        head = r.req.input_ids[:bs]
-        return len(head) == bs and any(
-            s is not None and s.state is _State.PREFILL and s.req.input_ids[:bs] == head for s in self._slots)
+        """True if a request still prefilling computes the first block of ``r`` that the prefix cache lacks:
+        admitting ``r`` after that prefill lets it reuse the KV instead of computing it again (a GRPO group's
+        prompt). A sibling whose shared part is cached already (a later turn) is not held back."""
+        bs, seq = self.engine_config.block_size, r.sequence
+        start = self.prefix_cache.cached_tokens(seq, len(seq) - 1)
+        page = seq[start:start + bs]
+        return len(page) == bs and any(
+            s is not None and s.state is _State.PREFILL and s.sequence[start:start + bs] == page for s in self._slots)
 
     def _admit(self) -> None:
         self._waiting.sort(key=lambda r: (-r.req.priority, r.order))

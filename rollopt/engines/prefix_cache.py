@@ -89,6 +89,10 @@ class PrefixCache:
         self.stats.hit_tokens += n
         return n, torch.cat([b.k for b in found], 2), torch.cat([b.v for b in found], 2)
 
+    def cached_tokens(self, tokens: Sequence[int], max_tokens: int) -> int:
+        """How many tokens :meth:`lookup` would find (whole blocks), without touching LRU order, pins or stats."""
+        return len(self._cached_chain(tokens, max_tokens)) * self.block_size
+
     def insert(self, tokens: Sequence[int], valid: int, read_kv: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Cache every full block of ``tokens[:valid]`` not cached yet; ``read_kv(start, end)`` returns the
         KV of those positions. Returns the number of new blocks."""

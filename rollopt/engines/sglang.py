@@ -611,6 +611,31 @@ class SGLangEngine(Engine):
             return False
         return response.status_code == 200
 
+    async def scheduler_sizes(self) -> dict[str, int]:
+        """The server's scheduling sizes from ``/server_info`` (its resolved arguments and the scheduler's
+        ``max_total_num_tokens``), named as :class:`~rollopt.engines.sim_calibration.EngineSizes`' fields, for
+        ``rollopt calibrate``. A size the server does not report is an :class:`EngineError` naming it."""
+        info = await self._get_server_info()
+        sources = [info, *(info.get("internal_states") or [])]
+
+        def size(*keys: str) -> int:
+            for source in sources:
+                for key in keys:
+                    value = source.get(key)
+                    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                        return value
+            raise EngineError(f"/server_info reports no positive {' or '.join(keys)}; pass the sizes explicitly")
+
+        kv_tokens = size("max_total_num_tokens")
+        try:
+            chunk = size("chunked_prefill_size")
+        except EngineError:  # chunked prefill off: a prompt is prefilled whole
+            chunk = self.max_context
+        # internal_states: the scheduler's resolved limit (0.5.23: effective_max_running_requests_per_dp)
+        return {"max_running": size("effective_max_running_requests_per_dp", "max_running_requests"),
+                "prefill_chunk": chunk,
+                "block_size": size("page_size"), "max_context": self.max_context, "kv_tokens": kv_tokens}
+
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_path, vocab_size=int(self.vocab_size or 0), max_context=self.max_context,
                           version=self.version, eos_token_ids=tuple(self.eos_token_ids or ()))

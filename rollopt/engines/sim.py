@@ -19,8 +19,9 @@ Mechanics (as SGLang 0.5.23 does them, simplified):
 * **Scheduling**: waiting requests by priority (higher first), then arrival; at most ``max_running`` run.
   Admission stops at the first request that does not fit: its uncached prompt + a decode reservation (the full
   remaining ``max_new_tokens`` for ``ignore_eos``, else SGLang's decaying ``new_token_ratio``, 0.7 → 0.098)
-  on top of what running requests reserve. ``defer_shared_prefill``: a request whose first page someone is
-  prefilling (and is not cached yet) waits one pass, so a GRPO group computes its prompt once.
+  on top of what running requests reserve. ``defer_shared_prefill``: a request whose first uncached page a
+  prefilling request is computing waits until that prefill is done, so a GRPO group computes its prompt once
+  (the embedded engine's rule).
 * **An iteration**: the decode batch (one token per running request) plus up to ``prefill_chunk`` prompt
   tokens of admitted requests (a mixed batch); a request whose prefill completes samples its first token.
 * **Retraction**: when the decode step needs more pages than are free or evictable, running requests are
@@ -523,7 +524,10 @@ class SimEngine(CommandLoopEngine):
         if len(self._running) >= cfg.max_running or not self._n_waiting:
             return
         reserved = None  # what running requests reserve: summed only when the cheap bound is not enough
-        prefilling = {r.req.input_ids[:B] for r in self._running if r.state is _State.PREFILL}
+        prefilling: dict[tuple[int, ...], list[_Req]] = {}  # first page → the requests prefilling after it
+        for s in self._running:
+            if s.state is _State.PREFILL:
+                prefilling.setdefault(s.req.input_ids[:B], []).append(s)
         deferred = []
         while self._waiting and len(self._running) < cfg.max_running:
             r = self._waiting[0][2]
@@ -531,12 +535,11 @@ class SimEngine(CommandLoopEngine):
                 heapq.heappop(self._waiting)
                 continue
             head = r.req.input_ids[:B]
-            if (cfg.defer_shared_prefill and head in prefilling and len(head) == B
-                    and self._index.get(hash((0, head))) is None):
-                deferred.append(heapq.heappop(self._waiting))
-                continue
             seq_len = len(r.req.input_ids) + r.n
             chain = self._lookup(r, seq_len - 1)
+            if cfg.defer_shared_prefill and head in prefilling and self._computed_by(r, len(chain), prefilling[head]):
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             taken = sum(1 for b in chain if b.lock == 0 and b.pins == 0)
             need = self._reserve_tokens(r) - len(chain) * B
             room = (self._capacity - self._used + self._n_evictable - taken) * B
@@ -567,7 +570,7 @@ class SimEngine(CommandLoopEngine):
                 self.stats.cached_tokens += r.cached_tokens
             r.state = _State.PREFILL
             self._running.append(r)
-            prefilling.add(head)
+            prefilling.setdefault(head, []).append(r)
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
 
@@ -687,6 +690,14 @@ class SimEngine(CommandLoopEngine):
                     heapq.heappush(self._lru, (parent.last_used, parent.id, parent))
             return True
         return False
+
+    def _computed_by(self, r: _Req, cached_pages: int, sharers: Sequence[_Req]) -> bool:
+        """True if one of ``sharers`` (prefilling) is computing ``r``'s first page past its cached ones: admitted
+        after that prefill, ``r`` reuses the page instead of computing it again (a GRPO group's prompt)."""
+        B = self._B
+        start = cached_pages * B
+        page = r.req.input_ids[start:start + B]
+        return len(page) == B and any(s.req.input_ids[start:start + B] == page for s in sharers)
 
     def _lookup(self, r: _Req, max_tokens: int) -> list[_Block]:
         """The cached pages of the longest page prefix of ``r``'s sequence within ``max_tokens``."""

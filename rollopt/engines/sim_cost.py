@@ -191,35 +191,56 @@ def kv_capacity_tokens(hw: Hardware, shape: ModelShape, tp: int, mem_fraction: f
 @dataclass(frozen=True)
 class LinearCost:
     """``fixed_s + per_prefill_token_s·prefill_tokens + per_decode_seq_s·decode_seqs
-    + per_kv_token_s·decode_kv_read``.
+    + per_kv_token_s·decode_kv_read + per_attention_pair_s·prefill_attention + per_prefill_seq_s·prefill_seqs``.
 
-    Prefill attention is not a term: over the short contexts a CPU engine is fitted on it hides in the
-    per-token cost; fit on long contexts before trusting it at 16–64k tokens."""
+    ``per_attention_pair_s`` prices prefill attention (query·key pairs, quadratic in a chunk's context): fit it
+    on prompts as long as the ones simulated before trusting it at 16–64k tokens. ``per_prefill_seq_s`` is what
+    each request in a prefill adds (the embedded engine runs one forward pass per prefilling request)."""
 
     fixed_s: float
     per_prefill_token_s: float
     per_decode_seq_s: float
     per_kv_token_s: float
+    per_attention_pair_s: float = 0.0
+    per_prefill_seq_s: float = 0.0
     name: str = "linear"
 
     def seconds(self, f: IterationFeatures) -> float:
         return (self.fixed_s + self.per_prefill_token_s * f.prefill_tokens + self.per_decode_seq_s * f.decode_seqs
-                + self.per_kv_token_s * f.decode_kv_read)
+                + self.per_kv_token_s * f.decode_kv_read + self.per_attention_pair_s * f.prefill_attention
+                + self.per_prefill_seq_s * f.prefill_seqs)
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """In the order of the constructor (and of ``SimEngineConfig.linear``)."""
+        return (self.fixed_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_kv_token_s,
+                self.per_attention_pair_s, self.per_prefill_seq_s)
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[IterationFeatures, float]], label: str) -> "LinearCost":
-        """Non-negative least squares (``scipy.optimize.nnls``) over measured ``(features, seconds)`` iterations;
-        the name records the label, the sample count and the root-mean-square error."""
+    def fit(cls, samples: Sequence[tuple[IterationFeatures | Sequence[IterationFeatures], float]],
+            label: str) -> "LinearCost":
+        """Non-negative least squares (``scipy.optimize.nnls``) of the relative error over measured
+        ``(iterations, seconds)``: one iteration and its time, or a run of iterations (a calibration probe) and
+        the run's total time, which the model prices as the sum of its iterations (linear in the
+        coefficients). Relative, so that short probes (the per-iteration cost) weigh as much as long ones. The
+        name records the label, the sample count and the root-mean-square error."""
         import numpy as np
         from scipy.optimize import nnls
 
-        if len(samples) < 4:
-            raise ConfigError(f"LinearCost.fit needs at least 4 measured iterations, got {len(samples)}")
-        x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, f.decode_kv_read] for f, _ in samples])
+        if len(samples) < 6:
+            raise ConfigError(f"LinearCost.fit needs at least 6 measured samples (one per coefficient), "
+                              f"got {len(samples)}")
+        runs = [[f] if isinstance(f, IterationFeatures) else list(f) for f, _ in samples]
+        x = np.array([[len(run), sum(f.prefill_tokens for f in run), sum(f.decode_seqs for f in run),
+                       sum(f.decode_kv_read for f in run), sum(f.prefill_attention for f in run),
+                       sum(f.prefill_seqs for f in run)] for run in runs], dtype=float)
         y = np.array([s for _, s in samples], dtype=float)
-        coef, _ = nnls(x, y)
+        if not (y > 0).all():
+            raise ConfigError("LinearCost.fit: every measured time must be > 0")
+        coef, _ = nnls(x / y[:, None], np.ones_like(y))  # relative errors: a 10 ms probe counts as a 1 s one
         rmse = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
-        return cls(*map(float, coef), name=f"fitted:{label} (linear, {len(samples)} iterations, "
+        what = "iterations" if all(len(run) == 1 for run in runs) else "probes"
+        return cls(*map(float, coef), name=f"fitted:{label} (linear, {len(samples)} {what}, "
                                              f"rmse {rmse * 1e3:.3g} ms)")
 
 
