@@ -25,7 +25,8 @@ from pathlib import Path
 from rollopt.benchmark.runner import BenchRun, bench, engine_config
 from rollopt.benchmark.workloads import get_workload
 from rollopt.engines import run as run_on_engine_clock
-from rollopt.engines.sim_calibration import EngineSizes, calibrate_engine
+from rollopt.engines.sim_calibration import EngineSizes, calibrate_engine, load_cost_file
+from rollopt.errors import ConfigError
 
 MAKESPAN_BAR, P99_BAR = 0.15, 0.20
 
@@ -118,7 +119,10 @@ def main() -> None:
     for name in (w for w in args.workloads.split(",") if w):
         workload = get_workload(name)
         real_engine = engine_config(args.engine, workload)
-        sizes = EngineSizes.of(real_engine)
+        try:  # the embedded engine is sized per workload; a server's sizes are what calibration read from it
+            sizes = EngineSizes.of(real_engine)
+        except ConfigError:
+            sizes = load_cost_file(cost).sizes
         sim_engine = engine_config("sim", workload, cost_file=str(cost), max_running=sizes.max_running,
                                    prefill_chunk=sizes.prefill_chunk, block_size=sizes.block_size,
                                    max_context=sizes.max_context, kv_tokens=sizes.kv_tokens)
