@@ -198,9 +198,8 @@ class RoutedEngine(Engine):
 
     async def __aexit__(self, *exc: object) -> None:
         stack, self._stack = self._stack, None
-        if stack is not None:
-            with anyio.CancelScope(shield=True):
-                await stack.aclose()
+        if stack is not None:  # no shield here: each engine's exit shields its own cleanup, and under trio a
+            await stack.aclose()  # member's task group must not be exited inside a scope opened after it
 
     def _check_open(self) -> None:
         if self._stack is None:
