@@ -4,6 +4,7 @@ tasks wait), so the assertions are exact sums of cost-model terms, not wall-cloc
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -545,3 +546,16 @@ def test_random_traffic_keeps_the_books_and_every_token():
             assert result.matched_stop in request.sampling.stop_token_ids + eos
         elif result.finish_reason is FinishReason.LENGTH:
             assert len(streamed) == request.sampling.max_new_tokens
+
+
+def test_a_bench_on_several_simulated_servers_closes_cleanly(tmp_path):
+    """``--engine-option servers=2``: two sims behind the real RoutedEngine, on trio's clock. Closing them used to
+    corrupt trio's cancel-scope stack (each member's task group exited inside a shield scope opened after it),
+    so every multi-server sim run crashed after its last policy and wrote no report."""
+    from rollopt.cli import main
+
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--engine", "sim", "--engine-option", "model_shape=llama-3.2-1b", "--engine-option",
+                 "servers=2", "--workload", "tool-heavy", "--tasks", "2", "--group-size", "2", "--schedulers",
+                 "sync,async", "--repeats", "1", "--json", str(report), "-q"]) == 0
+    assert [p["scheduler"] for p in json.loads(report.read_text())["policies"]] == ["sync", "async"]

@@ -147,10 +147,15 @@ class Engine(abc.ABC):
         """Yield chunks of new tokens; the last one carries the result."""
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """The result of :meth:`stream` (its last chunk carries it). Runs the stream to its end rather than
+        returning at the result, so no async generator is left unexhausted: trio warns about one collected before
+        its end (and the test suite turns warnings into errors)."""
+        result = None
         async for chunk in self.stream(request):
-            if chunk.result is not None:
-                return chunk.result
-        raise EngineError(f"request {request.rid}: stream ended without a result")
+            result = chunk.result or result
+        if result is None:
+            raise EngineError(f"request {request.rid}: stream ended without a result")
+        return result
 
     @abc.abstractmethod
     async def abort(self, rid: str) -> None: ...

@@ -307,10 +307,14 @@ class LocalEngine(CommandLoopEngine):
         admitting ``r`` after that prefill lets it reuse the KV instead of computing it again (a GRPO group's
         prompt). A sibling whose shared part is cached already (a later turn) is not held back."""
         bs, seq = self.engine_config.block_size, r.sequence
+        head = seq[:bs]
+        sharers = [s.sequence for s in self._slots
+                   if s is not None and s.state is _State.PREFILL and s.req.input_ids[:bs] == head]
+        if not sharers or len(head) < bs:  # the common case, without hashing the sequence
+            return False
         start = self.prefix_cache.cached_tokens(seq, len(seq) - 1)
         page = seq[start:start + bs]
-        return len(page) == bs and any(
-            s is not None and s.state is _State.PREFILL and s.sequence[start:start + bs] == page for s in self._slots)
+        return len(page) == bs and any(other[start:start + bs] == page for other in sharers)
 
     def _admit(self) -> None:
         self._waiting.sort(key=lambda r: (-r.req.priority, r.order))

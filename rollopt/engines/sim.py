@@ -53,7 +53,7 @@ from rollopt.engines.base import (
 )
 from rollopt.engines.command_loop import Command, CommandLoopEngine
 from rollopt.engines.sim_cost import CostModel, IterationFeatures, ModelShape, resolve
-from rollopt.errors import BadRequestError, ConfigError, EngineError
+from rollopt.errors import BadRequestError, ConfigError
 
 Script = Callable[[GenerateRequest], list[int]]
 
@@ -296,16 +296,6 @@ class SimEngine(CommandLoopEngine):
             if not finished and request.rid in self._live:
                 self._commands.append(Command("abort", request.rid))  # the caller went away: free its KV
                 self._wakeup.set()
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Like :meth:`Engine.generate`, but runs the stream to its end: trio warns about an async generator
-        collected before it is exhausted (and the test suite turns warnings into errors)."""
-        result = None
-        async for chunk in self.stream(request):
-            result = chunk.result or result
-        if result is None:
-            raise EngineError(f"request {request.rid}: stream ended without a result")
-        return result
 
     async def abort(self, rid: str) -> None:
         await self._command("abort", rid)

@@ -27,6 +27,7 @@ parse is a one-line :class:`~rollopt.errors.ConfigError` naming the command that
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -54,6 +55,9 @@ class Probe:
     batch: int
     prompt_tokens: int
     new_tokens: int
+
+    def fits(self, sizes: "EngineSizes") -> bool:
+        return self.batch <= sizes.max_running and self.prompt_tokens + self.new_tokens <= sizes.max_context
 
 
 DEFAULT_PROBES: tuple[Probe, ...] = tuple(
@@ -200,7 +204,7 @@ async def calibrate(engine: Engine, sizes: EngineSizes, fitted_to: str, *, probe
     name and every output that uses it)."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
-    if too_big := [p for p in probes if p not in fitting(probes, sizes)]:
+    if too_big := [p for p in probes if not p.fits(sizes)]:
         raise ConfigError(f"probe {too_big[0]} does not fit the engine (max_running {sizes.max_running}, "
                           f"max_context {sizes.max_context}); drop it or raise the engine's sizes")
     vocab = (await engine.info()).vocab_size
@@ -216,8 +220,8 @@ async def calibrate(engine: Engine, sizes: EngineSizes, fitted_to: str, *, probe
     cost = LinearCost.fit([(plans[p], statistics.median(measured[p])) for p in probes], fitted_to)
     results = tuple(ProbeResult(p, tuple(measured[p]), len(plans[p]), sum(map(cost.seconds, plans[p])))
                     for p in probes)
-    machine = {"host": platform.node(), "cpus": _cpus(), "python": platform.python_version(),
-               "date": time.strftime("%Y-%m-%d")}
+    machine = {"cores": os.cpu_count(), "host": platform.node(), "python": platform.python_version(),
+               "date": time.strftime("%Y-%m-%d")}  # "cores" as in the bench report
     return CostFit(cost, fitted_to, sizes, results, machine)
 
 
@@ -226,11 +230,6 @@ async def engine_sizes(engine: Engine, config: Any) -> EngineSizes:
     ``/server_info``), else its configuration's (:meth:`EngineSizes.of`)."""
     report = getattr(engine, "scheduler_sizes", None)
     return EngineSizes(**await report()) if report is not None else EngineSizes.of(config)
-
-
-def fitting(probes: Sequence[Probe], sizes: EngineSizes) -> list[Probe]:
-    """The probes that fit an engine of ``sizes``."""
-    return [p for p in probes if p.batch <= sizes.max_running and p.prompt_tokens + p.new_tokens <= sizes.max_context]
 
 
 async def calibrate_engine(config: Any, model_spec: str = "tiny", *, repeats: int = 3,
@@ -246,7 +245,7 @@ async def calibrate_engine(config: Any, model_spec: str = "tiny", *, repeats: in
     model = load_model(model_spec, seed=seed)
     async with build_engine(config, model, EngineContext(progress=progress)) as engine:
         sizes = await engine_sizes(engine, config)
-        kept = fitting(probes, sizes)
+        kept = [p for p in probes if p.fits(sizes)]
         if len(kept) < len(probes):
             progress(f"{len(probes) - len(kept)} probes do not fit the engine ({sizes}) and are left out")
         if len(kept) < 6:
@@ -256,11 +255,5 @@ async def calibrate_engine(config: Any, model_spec: str = "tiny", *, repeats: in
                                progress=progress)
 
 
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
-
-
 __all__ = ["COST_FILE_FORMAT", "DEFAULT_PROBES", "CostFile", "CostFit", "EngineSizes", "Probe", "ProbeResult",
-           "calibrate", "calibrate_engine", "engine_sizes", "fitting", "load_cost_file", "simulated_iterations"]
+           "calibrate", "calibrate_engine", "engine_sizes", "load_cost_file", "simulated_iterations"]
