@@ -307,7 +307,7 @@ class LocalEngine(CommandLoopEngine):
         admitting ``r`` after that prefill lets it reuse the KV instead of computing it again (a GRPO group's
         prompt). A sibling whose shared part is cached already (a later turn) is not held back."""
         bs, seq = self.engine_config.block_size, r.sequence
-        head = seq[:bs]
+        head = r.req.input_ids[:bs]
         sharers = [s.sequence for s in self._slots
                    if s is not None and s.state is _State.PREFILL and s.req.input_ids[:bs] == head]
         if not sharers or len(head) < bs:  # the common case, without hashing the sequence
