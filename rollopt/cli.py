@@ -56,7 +56,7 @@ def _cmd_rollout(args: argparse.Namespace, console: Console) -> int:
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rollopt.benchmark.report import plot, table, track_report
     from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
-    from rollopt.benchmark.workloads import get_workload
+    from rollopt.benchmark.workloads import get_workload, with_trajectories
     from rollopt.schedulers import build_scheduler
     from rollopt.trainer.recipe import parse_options
     from rollopt.trainer.trackers import parse_track
@@ -64,11 +64,15 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     trackers = parse_track(args.track or "")  # an unknown tracker fails before the model loads
     workload = get_workload(args.workload, parse_options(args.env_option), tasks=args.tasks,
                             group_size=args.group_size, model=args.model)
+    if args.trajectories is not None:
+        workload = with_trajectories(workload, args.trajectories, tasks_given=args.tasks is not None)
     schedulers = tuple(s.strip() for s in args.schedulers.split(",") if s.strip())
     for name in schedulers:
         build_scheduler(name)  # a typo fails before the model loads
     run = BenchRun(workload, schedulers, repeats=args.repeats, seed=args.seed, trace_dir=args.trace)
-    engine = engine_config(args.engine, workload, **parse_options(args.engine_option))
+    sizes = {"hardware": args.hardware, "model_shape": args.model_shape, "servers": args.servers}
+    engine = engine_config(args.engine, workload, **{**parse_options(args.engine_option),
+                                                     **{k: v for k, v in sizes.items() if v is not None}})
     with console.status(f"{workload.name} on {args.engine}: {len(schedulers)} policies × {args.repeats}"):
         report = _run(lambda: bench(run, engine), engine)
     console.print(table(report))

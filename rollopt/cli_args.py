@@ -60,6 +60,12 @@ def add_commands(parser: argparse.ArgumentParser, handlers: dict[str, Callable])
     bench.add_argument("--model", default=None, help="override the workload's model ('tiny', 'smollm2', a dir)")
     bench.add_argument("--tasks", type=int, default=None, help="override the workload's groups per step")
     bench.add_argument("--group-size", type=int, default=None, help="override the workload's group size")
+    bench.add_argument("--trajectories", type=int, default=None,
+                       help="trajectories per step (a multiple of the group size; instead of --tasks)")
+    bench.add_argument("--hardware", default=None, help="--engine sim: the roofline's GPU (H100-SXM, H200, ...)")
+    bench.add_argument("--model-shape", default=None, help="--engine sim: a model shape, e.g. llama-3.1-8b")
+    bench.add_argument("--servers", type=int, default=None,
+                       help="--engine sim: simulated servers behind the real RoutedEngine")
     bench.add_argument("--json", type=Path, default=None, help="write the report as JSON")
     bench.add_argument("--plot", type=Path, default=None, help="write speedup bars and timelines as PNG")
     bench.add_argument("--trace", type=Path, default=None, help="write a Perfetto trace + graph per policy here")

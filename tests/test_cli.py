@@ -67,3 +67,25 @@ def test_a_config_error_raised_inside_a_task_group_is_one_line_with_exit_2(monke
     monkeypatch.setattr(cli, "_cmd_report", failing)
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "rollopt report: engine.kv_tokens: use an int\n"
+
+
+def test_bench_sizes_a_simulated_run_by_trajectories_hardware_shape_and_servers(tmp_path, capsys):
+    """``--trajectories``, ``--hardware``, ``--model-shape`` and ``--servers`` size a run on the simulated engine;
+    the report names the shape it priced, not the tokenizer's model, and says it is a projection."""
+    out = tmp_path / "sim.json"
+    assert main(["bench", "--engine", "sim", "--workload", "swe-agent", "-o", "token_scale=0.05", "--trajectories",
+                 "16", "--hardware", "H100-SXM", "--model-shape", "qwen2.5-7b", "--servers", "2", "--schedulers",
+                 "async", "--repeats", "1", "--json", str(out), "--quiet"]) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["policies"][0]["returned_trajectories"] == 16
+    assert report["model"] == "qwen2.5-7b (tokenizer: tiny-llama)"
+    assert "2 servers" in report["engine_description"]
+    assert "roofline:H100-SXM:qwen2.5-7b:tp1 (projection)" in report["engine_description"]
+    for argv, message in ((["--trajectories", "12"], "not a positive multiple of swe-agent's group size 8"),
+                          (["--trajectories", "16", "--tasks", "2"], "give --trajectories or --tasks, not both"),
+                          (["--hardware", "H200"], "engine 'local' has no option(s) ['hardware']")):
+        capsys.readouterr()
+        assert main(["bench", "--workload", "swe-agent", "--schedulers", "async", *argv]) == 2
+        assert message in capsys.readouterr().err

@@ -67,8 +67,11 @@ async def bench(run: BenchRun, engine: Any = None, model: LoadedModel | None = N
     script = None
     if getattr(engine, "scripted", False) and hasattr(env, "simulated_model"):
         script = env.simulated_model(model.tokenizer)  # the simulated engine writes the agent's turns
-    return await run_policies(run, model, build_engine(engine, model, EngineContext(script=script)), engine.kind,
-                              on_step, env)
+    report = await run_policies(run, model, build_engine(engine, model, EngineContext(script=script)), engine.kind,
+                                on_step, env)
+    if getattr(engine, "scripted", False):  # a scripted engine's costs follow its model shape; the loaded model gives only tokens
+        report["model"] = f"{getattr(engine, 'model_shape', None) or model.name} (tokenizer: {model.name})"
+    return report
 
 
 def _engine_counters(engine: Engine) -> dict[str, float]:

@@ -118,3 +118,15 @@ def get_workload(name: str, env_options: dict[str, Any] | None = None, **overrid
     cls = check_environment_options(name, options)
     base = environment_workload(lambda: cls(**options), name=name)
     return Workload(**{**base.__dict__, **overrides})
+
+
+def with_trajectories(workload: Workload, trajectories: int, tasks_given: bool = False) -> Workload:
+    """``workload`` with ``trajectories`` per step (``rollopt bench --trajectories``): that many over its group
+    size groups; a one-line error unless it is a positive multiple of the group size (or if ``--tasks`` was
+    given too)."""
+    if tasks_given:
+        raise ConfigError("give --trajectories or --tasks, not both (trajectories = tasks × group size)")
+    if trajectories < 1 or trajectories % workload.group_size:
+        raise ConfigError(f"--trajectories {trajectories} is not a positive multiple of {workload.name}'s group size "
+                          f"{workload.group_size}; use e.g. {max(1, trajectories // workload.group_size) * workload.group_size}")
+    return Workload(**{**workload.__dict__, "tasks": trajectories // workload.group_size})

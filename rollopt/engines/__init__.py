@@ -140,7 +140,7 @@ async def _open_sim(config: SimEngineConfig, model: Any, context: EngineContext)
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
     engines = [SimEngine.from_config(config, shape, vocab_size=vocab, eos_token_ids=eos_ids, script=context.script,
-                                     tokenizer=model.tokenizer, model_name=model.name) for _ in range(config.servers)]
+                                     tokenizer=model.tokenizer, model_name=shape.name) for _ in range(config.servers)]
     if config.servers == 1:
         context.progress(engines[0].describe())
         async with engines[0]:

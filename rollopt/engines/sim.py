@@ -97,7 +97,7 @@ class _Req:
 
     req: GenerateRequest
     send: MemoryObjectSendStream[GenerateChunk]
-    order: int
+    order: int  # FCFS position, given when it is queued (-1 before)
     plan: list[int]
     limit: int  # tokens it emits at most: max_new_tokens, the script's length, or up to its first stop token
     end: tuple[FinishReason, int | None]  # how it finishes on reaching ``limit``
@@ -277,7 +277,7 @@ class SimEngine(CommandLoopEngine):
             limit = next(i for i, t in enumerate(plan) if t in stops) + 1
             end = (FinishReason.STOP, plan[limit - 1])
         send, receive = anyio.create_memory_object_stream[GenerateChunk](math.inf)
-        r = _Req(request, send, next(self._order), plan, limit, end)
+        r = _Req(request, send, -1, plan, limit, end)
         self._live[request.rid] = r
         self._arrivals.append(r)
         self._wakeup.set()
@@ -315,6 +315,9 @@ class SimEngine(CommandLoopEngine):
     async def _loop(self) -> None:
         try:
             while True:
+                # the host works in zero virtual time: an iteration starts once every other task is blocked, so it
+                # sees every request submitted at this instant whatever order the event loop ran their tasks in
+                await anyio.wait_all_tasks_blocked()
                 self._apply_commands()
                 if not self._has_work():
                     self._ratio = INIT_NEW_TOKEN_RATIO  # SGLang resets the ratio when idle
@@ -345,7 +348,8 @@ class SimEngine(CommandLoopEngine):
                     command.done.set()
 
     def _apply_commands(self) -> None:
-        for r in self._arrivals:
+        for r in sorted(self._arrivals, key=lambda r: r.req.rid):  # one instant's arrivals queue in rid order
+            r.order = next(self._order)
             self._push_waiting(r)
         self._arrivals = []
         commands, self._commands = self._commands, []
