@@ -13,7 +13,8 @@ its own module, declares its risk class, and is registered in ``SCHEDULERS``; a 
 | preempt   | abort stragglers at the batch quota, carry them over, resume          | R3   |
 | warm      | keep each trajectory's KV cached across its tool calls (a TTL pin)    | R1   |
 | las       | least attained service first: short trajectories are not stuck behind long ones | R1 |
-| kv        | admit trajectories while their histories fit the KV; pin each across its tool call | R1 |
+| kv        | admit trajectories while the KV in use fits the pool; pin each across its tool call | R1 |
+| auto      | the default to pick: overlap+kv                                       | R1   |
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rollopt.plugins import entry_point
 from rollopt.schedulers.base import (
     CompositePolicy, Policy, RiskClass, RolloutView, Stage, ToolLatencies, TrajectoryView,
 )
+from rollopt.schedulers.auto import AutoPolicy
 from rollopt.schedulers.kv import KVPolicy
 from rollopt.schedulers.las import LeastAttainedServicePolicy
 from rollopt.schedulers.overlap import OverlapPolicy
@@ -51,7 +53,7 @@ def register_scheduler(name: str, factory: Callable[..., Policy]) -> None:
 
 
 for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy, WarmPolicy, LeastAttainedServicePolicy,
-             KVPolicy):
+             KVPolicy, AutoPolicy):
     register_scheduler(_cls.name, _cls)
 
 
@@ -76,13 +78,13 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
         parts.append(factory(**accepted))
     if set(options) - used:
         raise ConfigError(f"options {sorted(set(options) - used)} are not accepted by any of {names}")
-    if any(p.barrier for p in parts) and any(p.name in ("async", "overlap") for p in parts):
+    if any(p.barrier for p in parts) and any(p.name in ("async", "overlap", "auto") for p in parts):
         raise ConfigError("'sync' (a per-turn barrier) cannot be combined with 'async' or 'overlap' (no barrier)")
     return parts[0] if len(parts) == 1 else CompositePolicy(parts)
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "CompositePolicy", "KVPolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
+    "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "AutoPolicy", "CompositePolicy", "KVPolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
     "PrefixPolicy", "PreemptPolicy", "RiskClass", "RolloutView", "Stage", "SyncPolicy", "ToolLatencies", "TrajectoryView",
     "WarmPolicy", "build_scheduler", "register_scheduler",
 ]

@@ -88,11 +88,8 @@ class _Tally:
     group_done: dict[str, int]  # group -> members done
     complete_groups: int  # groups whose members are all done
     generated_tokens: int
-    resident: int = 0  # live trajectories that have started
-    resident_tokens: int = 0  # their context tokens, summed
+    active_tokens: int = 0  # context tokens of the started, live ones generating or in tools (not at a gate)
     generating: int = 0  # trajectories with a request in the engine
-    finished: int = 0  # trajectories done (not preempted)
-    finished_tokens: int = 0  # their final context tokens, summed
     first_waiting: int = 0  # position of the first live trajectory that has not started (len: none)
 
     @classmethod
@@ -117,8 +114,7 @@ class _Tally:
         tally = _Tally(self.positions, self.group_size, self.group_order, self.live_turns, self.live_not_in_tools,
                        self.group_done, self.complete_groups,
                        self.generated_tokens - old.generated_tokens + new.generated_tokens,
-                       self.resident, self.resident_tokens, self.generating, self.finished,
-                       self.finished_tokens, self.first_waiting)
+                       self.active_tokens, self.generating, self.first_waiting)
         tally._count_footprint(old, -1)
         tally._count_footprint(new, +1)
         if live0 != live1:
@@ -134,12 +130,8 @@ class _Tally:
 
     def _count_footprint(self, t: TrajectoryView, sign: int) -> None:
         self.generating += sign * (t.stage is Stage.GENERATE)
-        if t.live and t.started:
-            self.resident += sign
-            self.resident_tokens += sign * t.context_tokens
-        elif t.stage is Stage.DONE:
-            self.finished += sign
-            self.finished_tokens += sign * t.context_tokens
+        if t.stage is Stage.GENERATE or t.stage is Stage.TOOLS:  # live and started, not at a gate
+            self.active_tokens += sign * t.context_tokens
 
     def _count_done(self, group: str, delta: int) -> None:
         size = self.group_size[group]
@@ -254,14 +246,10 @@ class RolloutView:
         return self._tally.generated_tokens
 
     @property
-    def resident(self) -> int:
-        """Live trajectories that have started (O(1))."""
-        return self._tally.resident
-
-    @property
-    def resident_tokens(self) -> int:
-        """Context tokens of the live trajectories that have started: the KV working set (O(1))."""
-        return self._tally.resident_tokens
+    def active_tokens(self) -> int:
+        """Context tokens of the started, live trajectories that are generating or running tools, summed: the KV
+        in use now (a started trajectory held at its gate is not counted; O(1))."""
+        return self._tally.active_tokens
 
     @property
     def first_waiting(self) -> str | None:
@@ -274,10 +262,6 @@ class RolloutView:
         """Trajectories with a request in the engine (O(1))."""
         return self._tally.generating
 
-    @property
-    def mean_final_context(self) -> float | None:
-        """Mean context tokens of the trajectories done so far (a finished history's size); None before any (O(1))."""
-        return self._tally.finished_tokens / self._tally.finished if self._tally.finished else None
 
 
 class ToolLatencies:

@@ -32,27 +32,30 @@ def busy(n: int, context: int) -> list[TrajectoryView]:
     return [entry(f"b{i}", Stage.GENERATE, context) for i in range(n)]
 
 
-def test_admission_holds_a_new_trajectory_only_when_the_engine_is_saturated_and_the_kv_is_full():
-    policy = KVPolicy(fill=0.8, saturation=4)
+def test_admission_holds_a_new_trajectory_while_the_kv_in_use_and_its_prompt_exceed_the_pool():
+    policy = KVPolicy(fill=0.8)
     new = entry("n", Stage.GATE, 1_000, turn=0)
     assert not new.started
-    assert not policy.may_generate(view(*busy(4, 1_800), new), "n")  # 7,200 + 1,000 > 8,000, engine saturated
+    assert not policy.may_generate(view(*busy(4, 1_800), new), "n")  # 7,200 + 1,000 > 8,000
     assert policy.may_generate(view(*busy(4, 1_700), new), "n")  # 6,800 + 1,000 fits
-    assert policy.may_generate(view(*busy(3, 2_500), new), "n")  # over, but only 3 < 4 requests running
     assert policy.may_generate(view(*busy(4, 1_800), new, kv=None), "n")  # no KV size reported: async
+    assert policy.may_generate(view(entry("d", Stage.DONE, 50_000), new), "n")  # nothing in the engine: go
     started = entry("s", Stage.GATE, 1_000, turn=2)
     assert policy.may_generate(view(*busy(4, 1_800), started), "s")  # admitted work is never held back
     assert policy.priority(view(started, new), "s") > policy.priority(view(started, new), "n")
 
 
-def test_admission_charges_each_history_what_finished_ones_grew_to():
-    policy = KVPolicy(fill=0.8, saturation=4)
-    new = entry("n", Stage.GATE, 500, turn=0)
-    small = busy(4, 1_000)  # 4,000 + 500 fits today's sizes ...
-    assert policy.may_generate(view(*small, new), "n")
-    done = entry("d", Stage.DONE, 1_900)  # ... but a finished history holds 1,900: 5 x 1,900 > 8,000
-    assert view(*small, done).mean_final_context == 1_900
-    assert not policy.may_generate(view(*small, done, new), "n")
+def test_the_kv_in_use_counts_decoding_and_tool_waiting_histories_only():
+    """A history whose tool runs is in use (its next turn wants it back); one done, preempted or held at its gate
+    is not."""
+    policy = KVPolicy(fill=1.0)
+    new = entry("n", Stage.GATE, 1_000, turn=0)
+    tools = [entry(f"t{i}", Stage.TOOLS, 2_100) for i in range(4)]
+    assert view(*busy(1, 1_000), *tools).active_tokens == 9_400
+    assert not policy.may_generate(view(*busy(1, 1_000), *tools, new), "n")  # 9,400 + 1,000 > 10,000
+    idle = [entry("d", Stage.DONE, 9_000), entry("p", Stage.PREEMPTED, 9_000), entry("g", Stage.GATE, 9_000)]
+    assert view(*busy(1, 1_000), *idle).active_tokens == 1_000
+    assert policy.may_generate(view(*busy(1, 1_000), *idle, new), "n")
 
 
 def test_pins_last_the_learned_latency_of_the_tool_just_called_and_never_under_pressure():
@@ -69,7 +72,7 @@ def test_pins_last_the_learned_latency_of_the_tool_just_called_and_never_under_p
     assert policy.keep_warm(v, "c") == pytest.approx(latencies.quantile(0.5) * 2)  # no tool yet: all tools'
     assert policy.keep_warm(view(*calm), "c") == pytest.approx(10.0)  # nothing learned: the prior x 2
     assert KVPolicy(quantile=1.0).keep_warm(v, "b") == 0.0  # 125 s > max_pin_s: let it go, recompute
-    pressed = view(*busy(9, 1_000), latencies=latencies)  # 9,000 > 0.8 x 10,000: pins would crowd out
+    pressed = view(*busy(11, 1_000), latencies=latencies)  # 11,000 > 10,000: pins would crowd out
     assert policy.keep_warm(pressed, "b0") == 0.0
     assert policy.keep_warm(view(*calm, kv=None, latencies=latencies), "b") == 0.0
 
@@ -83,7 +86,7 @@ def test_tool_latencies_keep_a_window_per_tool():
     assert latencies.quantile(0.5, "edit") is None
 
 
-@pytest.mark.parametrize("kwargs", [{"fill": 0}, {"fill": 1.5}, {"saturation": 0}, {"quantile": 0},
+@pytest.mark.parametrize("kwargs", [{"fill": 0}, {"fill": 2.5}, {"quantile": 0},
                                     {"margin": 0}, {"max_pin_s": -1}])
 def test_bad_options_are_refused(kwargs):
     with pytest.raises(ValueError):
@@ -116,10 +119,9 @@ def tokens_by_trajectory(result) -> dict[str, tuple[int, ...]]:
 
 
 def test_kv_changes_no_token_and_under_kv_pressure_cuts_recompute_and_makespan():
-    """256 agents whose histories (~5k tokens each at this scale) exceed a 200k-token KV several times over; the
-    saturation guard lowered to what they keep in the engine with their tools in flight. (Measured: kv 201-243
-    virtual s over six runs, prefill 1.5-1.9M; async 257 s, 7.3M.)"""
-    policies = (build_scheduler("kv", saturation=16), build_scheduler("async"))
+    """256 agents whose histories (~5k tokens each at this scale) exceed a 200k-token KV several times over.
+    (Measured: kv 246.8 virtual s, prefill 1.33M; async 256.6 s, 7.24M.)"""
+    policies = (build_scheduler("kv"), build_scheduler("async"))
     (fast, fast_prefill), (slow, slow_prefill) = (rollout_on_sim(p, 200_000, 32, 0.4) for p in policies)
     assert tokens_by_trajectory(fast) == tokens_by_trajectory(slow)  # R1: identical tokens, every trajectory
     assert len(fast.trajectories) == 256 and not any(t.error for t in fast.trajectories)
@@ -135,7 +137,7 @@ def test_first_waiting_follows_batch_order_as_trajectories_start():
     assert v.first_waiting == "b"
     v = v.with_entry(entry("b", Stage.GENERATE, 10, turn=0), 2.0)
     assert v.first_waiting is None and v.generating == 3
-    assert not KVPolicy(saturation=1).may_generate(view(*busy(2, 100), *entries[1:]), "c")  # b is first in line
+    assert not KVPolicy().may_generate(view(*busy(2, 100), *entries[1:]), "c")  # b is first in line
 
 
 class CountingKV(KVPolicy):
@@ -154,8 +156,9 @@ def test_a_state_change_re_checks_one_waiting_trajectory_not_every_one():
     """Under admission, the trajectories not started all wait at the gate. Each state change used to wake every
     one of them to re-check its gate (O(waiting) per change: a 4,096-trajectory rollout ran for over an hour);
     now the executor asks only the one ``admission_candidates`` names (the next in batch order), one check per
-    change. (Measured here: 15,396 checks of not-started trajectories, 60 per trajectory; before, 397,369.)"""
-    policy = CountingKV(saturation=16)
+    change. (Measured here: 4,405 checks of not-started trajectories, 17 per trajectory; with every waiter woken on
+    every change, 397,369.)"""
+    policy = CountingKV()
     result, _ = rollout_on_sim(policy, 200_000, 32, 0.4)
     assert len(result.trajectories) == 256 and not any(t.error for t in result.trajectories)
     assert policy.asked_new <= 120 * 256

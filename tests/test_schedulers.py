@@ -83,7 +83,8 @@ def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scra
         i = rng.randrange(len(entries))
         old = entries[i]
         entries[i] = TrajectoryView(old.id, old.group_id, old.turn + rng.randint(0, 1), rng.choice(stages),
-                                    old.generated_tokens + rng.randint(0, 9), old.carry_age)
+                                    old.generated_tokens + rng.randint(0, 9), old.carry_age,
+                                    context_tokens=old.context_tokens + rng.randint(0, 50))
         derived = derived.with_entry(entries[i], now=float(step))
         rebuilt = RolloutView(tuple(entries), target_groups=2)
         assert derived.trajectories == rebuilt.trajectories and derived.now == step
@@ -93,6 +94,8 @@ def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scra
         assert [g for g in derived.group_order if derived.group_complete(g)] == complete
         assert derived.num_complete_groups == rebuilt.num_complete_groups == len(complete)
         assert derived.generated_tokens == rebuilt.generated_tokens == sum(t.generated_tokens for t in entries)
+        in_use = sum(t.context_tokens for t in entries if t.stage in (Stage.GENERATE, Stage.TOOLS))
+        assert derived.active_tokens == rebuilt.active_tokens == in_use
         for turn in range(0, 6):
             expected = sum(t.live and t.turn == turn and t.stage is not Stage.TOOLS for t in entries)
             assert derived.live_not_in_tools(turn) == rebuilt.live_not_in_tools(turn) == expected
