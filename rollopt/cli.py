@@ -54,7 +54,7 @@ def _cmd_rollout(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from rollopt.benchmark.report import plot, table, track_report
+    from rollopt.benchmark.report import in_turn_overlap, plot, table, track_report
     from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
     from rollopt.benchmark.workloads import get_workload, with_trajectories
     from rollopt.schedulers import build_scheduler
@@ -76,6 +76,8 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     with console.status(f"{workload.name} on {args.engine}: {len(schedulers)} policies × {args.repeats}"):
         report = _run(lambda: bench(run, engine), engine)
     console.print(table(report))
+    if (overlap := in_turn_overlap(report)) is not None:
+        console.print(overlap)
     for path in (plot(report, args.plot) if args.plot else None, save_report(report, args.json) if args.json else None,
                  track_report(report, trackers, args.track_dir, wandb_mode=args.wandb_mode) if trackers else None):
         if path is not None and not args.quiet:

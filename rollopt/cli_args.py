@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
-BENCH_POLICIES = "sync,async,overlap,overlap+prefix,overlap+prefix+preempt"
+BENCH_POLICIES = "sync,async,overlap,overlap+prefix+preempt,auto"
 
 
 def _rollout_args(p: argparse.ArgumentParser, *, model: str, tasks: int, group: int) -> None:

@@ -85,3 +85,27 @@ def test_on_the_simulated_engine_every_written_call_is_parsed_run_and_answered_a
             observed = [r.content.split().count("the") for r in turn.tool_results]
             assert observed == [c.output_tokens for c in planned.calls]
     assert checked >= 20
+
+
+def test_the_bench_reports_in_turn_overlap_on_exactly_the_turns_that_can_overlap():
+    """The turns whose tools can start inside the turn are the planned ones with several calls or text after the
+    last call; ``overlap`` shortens their latency against ``async`` (every token the same), and the bench's line
+    names the pair."""
+    from rollopt.benchmark.report import in_turn_overlap
+    from rollopt.benchmark.runner import BenchRun, bench, engine_config
+    from rollopt.benchmark.workloads import get_workload
+    from rollopt.engines import run
+
+    workload = get_workload("swe-agent", {"token_scale": 0.2, "latency_scale": 0.1}, tasks=3)
+    config = engine_config("sim", workload, model_shape="llama-3.1-8b", max_context=16384)
+    report = run(lambda: bench(BenchRun(workload, ("async", "overlap"), repeats=1), config), config)
+    env = workload.make_env()
+    expected = sum(len(turn.calls) >= 2 or (len(turn.calls) == 1 and turn.after > 0)
+                   for task in env.tasks(3, 0) for j in range(8)
+                   for turn in env.plan(task.id, f"{task.id}.s{j}"))
+    async_, overlap = report["policies"]
+    assert async_["overlappable_turns"] == overlap["overlappable_turns"] == expected > 0
+    assert async_["tokens_generated"] == overlap["tokens_generated"]
+    assert overlap["tool_turn_latency_s"] < async_["tool_turn_latency_s"]
+    assert overlap["without_early_tools"] == "async" and "without_early_tools" not in async_
+    assert in_turn_overlap(report).startswith(f"in-turn overlap, the {expected} turns with several calls")

@@ -490,6 +490,7 @@ async def test_calibrate_reads_the_servers_sizes_and_fits_its_probes(sglang_serv
         sizes = await engine_sizes(eng, None)
         assert sizes.max_running >= 1 and sizes.prefill_chunk >= 1 and sizes.block_size >= 1
         assert sizes.kv_tokens >= sizes.max_context >= 64
+        assert (await eng.info()).kv_tokens == sizes.kv_tokens  # what `kv` admits by on this server
         probes = [Probe(b, p, n) for b in (1, 4) for p in (16, 48) for n in (4, 12)]
         fit = await calibrate(eng, sizes, "sglang tiny", probes=probes, repeats=1)
     assert min(fit.cost.coefficients) >= 0

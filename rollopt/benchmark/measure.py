@@ -28,6 +28,8 @@ tokens × ``step_s`` + its attended tokens × ``per_kv_token_s`` + its own uniqu
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -36,6 +38,7 @@ import numpy as np
 
 from rollopt.engines.base import Engine, GenerateRequest, SamplingParams
 from rollopt.executor import RolloutResult
+from rollopt.toolcalls import CLOSE_TAG
 from rollopt.trajectory import TokenKind, Trajectory
 
 
@@ -137,9 +140,47 @@ def lower_bound_s(trajectories: Sequence[Trajectory], cal: Calibration) -> float
     return max(work, max(critical_path_s(t, cal) for t in trajectories))
 
 
+def overlappable_turns(trajectories: Sequence[Trajectory], decode: Callable[[list[int]], str]) -> set[tuple[str, int]]:
+    """``(trajectory id, turn)`` of the turns whose tools can start while the turn still decodes: the model wrote
+    its calls into the text (not planned after the turn), and wrote several, or text after the last one. The same
+    set under every policy of one workload (R1: the tokens are the same), so their latencies compare."""
+    found = set()
+    for traj in trajectories:
+        for turn in traj.turns:
+            if not turn.tool_calls:
+                continue
+            text = decode(traj.token_ids[turn.gen_start:turn.gen_end].tolist())
+            closed = text.count(CLOSE_TAG)
+            if closed >= 2 or (closed == 1 and text.rsplit(CLOSE_TAG, 1)[1].strip()):
+                found.add((traj.id, turn.index))
+    return found
+
+
+def tool_turn_latency_s(result: RolloutResult, turns: set[tuple[str, int]]) -> float:
+    """Mean seconds from each of ``turns``' first request to the end of its last tool call (NaN: none): what
+    starting a turn's tools inside it (``overlap``) shortens, apart from everything else a policy changes."""
+    started: dict[tuple[str, int], float] = {}
+    for _, d in result.graph.nodes("generate"):
+        key = (d["trajectory"], d["turn"])
+        if key in turns and d["start"] is not None:
+            started[key] = min(started.get(key, math.inf), d["start"])
+    ended: dict[tuple[str, int], float] = {}
+    for _, d in result.graph.nodes("tool"):
+        match = _CALL_TURN.search(d.get("call", ""))
+        key = (d["trajectory"], int(match.group(1))) if match else None
+        if key in started and d["end"] is not None:
+            ended[key] = max(ended.get(key, 0.0), d["end"])
+    spans = [ended[k] - started[k] for k in ended]
+    return float(np.mean(spans)) if spans else float("nan")
+
+
+_CALL_TURN = re.compile(r"(?:^|\.)t(\d+)\.c\d+$")  # a call id names its turn: "<trajectory>.t3.c0", "plan.t3.c0"
+
+
 def step_metrics(result: RolloutResult, carried: Sequence[Trajectory], engine_delta: dict[str, float],
-                 cal: Calibration) -> dict[str, float]:
-    """Metrics of one rollout step; ``engine_delta`` holds the engine counters' change over the step."""
+                 cal: Calibration, overlappable: set[tuple[str, int]] | None = None) -> dict[str, float]:
+    """Metrics of one rollout step; ``engine_delta`` holds the engine counters' change over the step;
+    ``overlappable``: the turns whose latency ``tool_turn_latency_s`` reports (:func:`overlappable_turns`)."""
     everything = list(result.trajectories) + list(carried)
     ends = {d["trajectory"]: d["end"] for _, d in result.graph.nodes("reward")}
     latencies = [ends[t.id] for t in result.trajectories if t.id in ends]
@@ -164,4 +205,6 @@ def step_metrics(result: RolloutResult, carried: Sequence[Trajectory], engine_de
         "lost_tokens": result.tokens_streamed - held,
         "returned_trajectories": len(result.trajectories),
         "preempted": result.preempted,
+        "overlappable_turns": len(overlappable or ()),
+        "tool_turn_latency_s": tool_turn_latency_s(result, overlappable) if overlappable else float("nan"),
     }

@@ -29,6 +29,8 @@ def columns(report: dict[str, Any]) -> list[Column]:
         Column("makespan_range", "makespan min-max", lambda p: f"{p['makespan_min_s']:.2f}-{p['makespan_max_s']:.2f}",
                priority=2),
         Column(key, f"speedup vs {report['baseline']}", "{:.2f}x"),
+        *([Column("speedup_vs_async", "vs async (AgentLoop)", "{:.2f}x")]
+          if "speedup_vs_async" in report["policies"][0] else []),
         Column("speedup_range", "speedup min-max", lambda p: f"{p['speedup_min']:.2f}-{p['speedup_max']:.2f}",
                priority=1),
         Column("lower_bound_s", "lower bound s", "{:.2f}", priority=2),
@@ -51,6 +53,23 @@ def table(report: dict[str, Any]) -> FitTable:
              f"(medians of {report['policies'][0]['repeats']}; speedup vs {report['baseline']})"
              + (f"\n{report['engine_description']}" if report.get("engine_description") else ""))
     return FitTable(report["policies"], columns(report), title=title, more_hint="--json")
+
+
+def in_turn_overlap(report: dict[str, Any]) -> str | None:
+    """One line on what starting tools inside their turn gains, apart from everything else a policy changes: the
+    mean latency (first request to last tool end) of the turns that can overlap (several written calls, or text
+    after the last one), under each policy that starts tools early against the same policy without it
+    (``overlap`` against ``async``, ``auto`` against ``kv``), where both ran. None if no such pair or turns."""
+    by_name = {p["scheduler"]: p for p in report["policies"]}
+    pairs = [(p, by_name[p["without_early_tools"]]) for p in report["policies"]
+             if p.get("without_early_tools") in by_name and p.get("overlappable_turns")]
+    if not pairs:
+        return None
+    parts = ", ".join(f"{p['scheduler']} {p['tool_turn_latency_s']:.2f} s vs {q['scheduler']} "
+                      f"{q['tool_turn_latency_s']:.2f} s ({p['tool_turn_latency_s'] / q['tool_turn_latency_s'] - 1:+.1%})"
+                      for p, q in pairs)
+    return (f"in-turn overlap, the {pairs[0][0]['overlappable_turns']:.0f} turns with several calls or text after a "
+            f"call (first request to last tool end): {parts}")
 
 
 def tracker_metrics(report: dict[str, Any]) -> dict[str, float]:

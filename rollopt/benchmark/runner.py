@@ -14,7 +14,7 @@ from typing import Any, AsyncContextManager, Callable
 import anyio
 import torch
 
-from rollopt.benchmark.measure import Calibration, calibrate, step_metrics
+from rollopt.benchmark.measure import Calibration, calibrate, overlappable_turns, step_metrics
 from rollopt.benchmark.workloads import Workload
 from rollopt.chat import ChatRenderer
 from rollopt.config import LocalEngineConfig
@@ -28,7 +28,7 @@ from rollopt.step import Environment
 
 MEDIAN_KEYS = ("makespan_s", "lower_bound_s", "tokens_generated", "throughput_tok_s", "engine_busy_frac",
                "prefill_tokens", "naive_prefill_tokens", "cached_tokens", "p50_latency_s", "p99_latency_s",
-               "returned_trajectories", "preempted")
+               "returned_trajectories", "preempted", "overlappable_turns", "tool_turn_latency_s")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ async def bench(run: BenchRun, engine: Any = None, model: LoadedModel | None = N
     report = await run_policies(run, model, build_engine(engine, model, EngineContext(script=script)), engine.kind,
                                 on_step, env)
     if getattr(engine, "scripted", False):  # a scripted engine's costs follow its model shape; the loaded model gives only tokens
-        report["model"] = f"{getattr(engine, 'model_shape', None) or model.name} (tokenizer: {model.name})"
+        shape = getattr(engine, "model_shape", None)
+        report["model"] = f"{shape} (tokenizer: {model.name})" if shape else model.name
     return report
 
 
@@ -94,6 +95,10 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContex
     env = env or w.make_env()
     renderer = ChatRenderer(model.tokenizer)
     per_policy: dict[str, list[dict[str, float]]] = {name: [] for name in run.schedulers}
+    overlappable: set[tuple[str, int]] | None = None
+
+    def decode(ids: list[int]) -> str:
+        return model.tokenizer.decode(ids, skip_special_tokens=True)
     async with AsyncExitStack() as stack:
         engine = await stack.enter_async_context(engine_cm)
         info = await engine.info()
@@ -113,7 +118,9 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContex
                 after = _engine_counters(engine)
                 delta = {k: after[k] - before[k] for k in after}
                 carried = [r.trajectory for r in executor.carry]
-                metrics = step_metrics(result, carried, delta, cal)
+                if overlappable is None:  # the same turns under every policy (R1 tokens): found once
+                    overlappable = overlappable_turns(result.trajectories, decode)
+                metrics = step_metrics(result, carried, delta, cal, overlappable)
                 per_policy[name].append(metrics)
                 if run.trace_dir is not None and rep == run.repeats - 1:
                     _write_traces(run.trace_dir, name, result)
@@ -156,12 +163,18 @@ def _summarize(run: BenchRun, model: LoadedModel, engine_kind: str, cal: Calibra
         policies.append({
             "scheduler": name,
             "risk_class": policy.risk_class.value,
+            **({"without_early_tools": "+".join(p.name for p in getattr(policy, "parts", [policy])
+                                                 if not p.early_tool_start) or "async"}
+               if policy.early_tool_start else {}),
             **med,
             "makespan_min_s": min(s["makespan_s"] for s in steps),
             "makespan_max_s": max(s["makespan_s"] for s in steps),
             "speedup_vs_sync" if baseline == "sync" else "speedup_vs_baseline": statistics.median(ratios),
             "speedup_min": min(ratios),
             "speedup_max": max(ratios),
+            **({"speedup_vs_async": statistics.median(a["makespan_s"] / s["makespan_s"]
+                                                      for a, s in zip(per_policy["async"], steps))}
+               if "async" in per_policy and baseline != "async" else {}),
             "efficiency": med["lower_bound_s"] / med["makespan_s"],
             "lost_tokens": max(s["lost_tokens"] for s in steps),
             "repeats": len(steps),

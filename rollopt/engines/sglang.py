@@ -228,6 +228,7 @@ class SGLangEngine(Engine):
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else None
         self.max_context = 0
+        self.kv_tokens: int | None = None  # the server's KV pool in tokens, once connected (if it reports it)
         self.incremental_stream = False
         self._initial_version = initial_version
         self._initial_tag: str | None = None
@@ -269,6 +270,7 @@ class SGLangEngine(Engine):
             self._initial_version = int(self._initial_tag) if self._initial_tag.isdigit() else 0
         self.version = self._initial_version
         self.incremental_stream = bool(server.get("incremental_streaming_output", False))
+        self.kv_tokens = _reported_size(server, "max_total_num_tokens")  # the KV pool, for policies that size by it
         try:
             models = await self._get("/v1/models")
             self.max_context = int(models["data"][0]["max_model_len"])
@@ -616,15 +618,11 @@ class SGLangEngine(Engine):
         ``max_total_num_tokens``), named as :class:`~rollopt.engines.sim_calibration.EngineSizes`' fields, for
         ``rollopt calibrate``. A size the server does not report is an :class:`EngineError` naming it."""
         info = await self._get_server_info()
-        sources = [info, *(info.get("internal_states") or [])]
 
         def size(*keys: str) -> int:
-            for source in sources:
-                for key in keys:
-                    value = source.get(key)
-                    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                        return value
-            raise EngineError(f"/server_info reports no positive {' or '.join(keys)}; pass the sizes explicitly")
+            if (value := _reported_size(info, *keys)) is None:
+                raise EngineError(f"/server_info reports no positive {' or '.join(keys)}; pass the sizes explicitly")
+            return value
 
         kv_tokens = size("max_total_num_tokens")
         try:
@@ -638,10 +636,21 @@ class SGLangEngine(Engine):
 
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_path, vocab_size=int(self.vocab_size or 0), max_context=self.max_context,
-                          version=self.version, eos_token_ids=tuple(self.eos_token_ids or ()))
+                          version=self.version, eos_token_ids=tuple(self.eos_token_ids or ()), kv_tokens=self.kv_tokens)
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.base_url!r}, version={self.version}, live={len(self._live)})"
+
+
+def _reported_size(server_info: dict, *keys: str) -> int | None:
+    """The first positive integer under one of ``keys`` in ``/server_info`` or its schedulers' ``internal_states``
+    (where 0.5.23 reports resolved sizes such as ``max_total_num_tokens``); None if none is reported."""
+    for source in (server_info, *(server_info.get("internal_states") or [])):
+        for key in keys:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 __all__ = ["SGLANG_VERSION", "SGLangEngine", "broadcast_weights", "encode_rid", "init_trainer_weight_group",
