@@ -49,3 +49,19 @@ def test_bench_trace_is_well_formed_and_nested(tmp_path):
                                                   for n in graph["nodes"])
             assert {e["name"] for e in events["trajectory"]} == {"trajectory"}
             assert events["reward"] and events["trajectory"][0]["args"]["status"] == "completed"
+
+
+def test_lower_bound_takes_the_largest_of_decode_prefill_and_critical_path_not_their_sum():
+    """Decode (1,000 generated tokens at 100 tok/s = 10 s) and unique prefill (1,000 prompt tokens at 100 tok/s
+    = 10 s) each bound the step alone; an engine that mixes prefill chunks into decode steps overlaps them, so
+    their sum (20 s) is no bound. The bound is 10 s: no trajectory's own path is longer (ten each, 1 s)."""
+    from rollopt.benchmark.measure import Calibration, lower_bound_s
+    from rollopt.trajectory import TokenSpan, Trajectory
+
+    cal = Calibration(step_s=0.001, peak_decode_tok_s=100.0, prefill_tok_s=100.0)
+    trajs = []
+    for i in range(10):
+        traj = Trajectory.start(f"t{i}", f"task{i}", f"g{i}", [1000 * i + k for k in range(100)])
+        traj.append(TokenSpan.generated([7] * 100, [0.0] * 100, [0] * 100))
+        trajs.append(traj)
+    assert lower_bound_s(trajs, cal) == 10.0

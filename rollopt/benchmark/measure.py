@@ -12,13 +12,16 @@ Engine calibration (wall clock, on the engine under test, after warm-up):
 
 Lower bound of one rollout step, from the work it actually did (its trajectories, returned or carried over):
 
-    lower_bound_s = max(max(decode_tokens / peak_decode_tok_s, attended_tokens * per_kv_token_s)
-                        + unique_prefill_tokens / prefill_tok_s,
+    lower_bound_s = max(max(decode_tokens / peak_decode_tok_s, attended_tokens * per_kv_token_s),
+                        unique_prefill_tokens / prefill_tok_s,
                         max over trajectories of its own critical path)
 
 where ``attended_tokens`` sums, over every generated token, the context it attends to (its position). A decode
 step takes at least the longer of its weight/compute time and its KV-read time, so the larger of the two
-decode terms is a bound (their sum would not be, on a compute-bound step).
+decode terms is a bound (their sum would not be, on a compute-bound step). Decode and prefill are not added
+either: an engine that mixes prefill chunks into memory-bound decode steps (SGLang, the simulated engine) hides
+prefill compute under the KV reads — on the simulated search agent the sum exceeded the measured makespan (LB
+44.0 s, makespan 43.4 s), so it was no bound.
 
 where ``unique_prefill_tokens`` counts each distinct non-generated prefix token once (a trie over all
 trajectories: shared prompts and fork points count once) and a trajectory's critical path is its generated
@@ -136,8 +139,8 @@ def lower_bound_s(trajectories: Sequence[Trajectory], cal: Calibration) -> float
         return 0.0
     decode_s = max(sampled_tokens(trajectories) / cal.peak_decode_tok_s,
                    attended_tokens(trajectories) * cal.per_kv_token_s)
-    work = decode_s + unique_prefill_tokens(trajectories) / cal.prefill_tok_s
-    return max(work, max(critical_path_s(t, cal) for t in trajectories))
+    prefill_s = unique_prefill_tokens(trajectories) / cal.prefill_tok_s
+    return max(decode_s, prefill_s, max(critical_path_s(t, cal) for t in trajectories))
 
 
 def overlappable_turns(trajectories: Sequence[Trajectory], decode: Callable[[list[int]], str]) -> set[tuple[str, int]]:
