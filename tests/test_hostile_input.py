@@ -177,6 +177,38 @@ async def test_blocking_within_the_deadline_fails_over_max_blocking_s_and_is_log
     assert res.ok and re.search(r"tool lenient held the event loop for 0\.[1-9]\d*s", caplog.text)
 
 
+@pytest.mark.asyncio  # explicit, so that it also runs where asyncio_mode is not auto
+async def test_a_garbage_collection_the_tool_triggers_is_not_charged_to_it_as_blocking():
+    """A collection's cost grows with the whole heap (0.4–0.8 s at 4,096 simulated agents), not with what the
+    tool did: here every collection is made to take 0.3 s, and a tool that allocates enough to trigger one
+    (but never blocks) must pass a 0.2 s ``max_blocking_s``. Collections wait until the stretch ends."""
+    import gc
+
+    slow_collections = []
+
+    def slow_collection(phase: str, info: dict) -> None:
+        if phase == "start" and slow_collections:
+            slow_collections.pop()
+            time.sleep(0.3)
+
+    async def allocate(n: int) -> str:
+        """Allocate cyclic garbage enough to trigger collections, without awaiting."""
+        for _ in range(n):
+            cycle: list = []
+            cycle.append(cycle)
+        return "done"
+
+    tool = Tool.from_function(allocate, name="allocate", timeout_s=30, max_blocking_s=0.2)
+    gc.callbacks.append(slow_collection)
+    try:
+        slow_collections.append(True)
+        result = await execute_tool_call([tool], ToolCall("g", "allocate", {"n": 20_000}))
+    finally:
+        gc.callbacks.remove(slow_collection)
+    assert result.ok and result.content == "done"
+    assert gc.isenabled()
+
+
 # ------------------------------------------------------------------------- the batch goes on (end to end)
 
 
