@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -79,6 +80,8 @@ class LocalEngineConfig:
             core to the event loop (executor, tools, streaming): on this 2-core machine a tick in the worker
             thread ran 2.4× faster with 1 thread than with 2 for the tiny model at batch 1, and no slower for
             the 135M shape at batch 1 or 32.
+        device: where the weights, the KV and the forward passes live (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+            Sampling runs on the CPU from the logits either way, so a seed gives the same draw on any device.
     """
 
     kind: ClassVar[str] = "local"
@@ -94,11 +97,14 @@ class LocalEngineConfig:
     seed: int = 0
     defer_shared_prefill: bool = True
     threads: int | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_fields(self, "engine.")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"engine.dtype = {self.dtype!r}: use 'float32' or 'bfloat16'")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"engine.device = {self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
 
     def validate(self, kv_bytes_per_token: int) -> None:
         """Sizes against the model's KV bytes per token (called by the engine once the model is known)."""

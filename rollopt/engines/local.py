@@ -122,11 +122,11 @@ class LocalEngine(CommandLoopEngine):
         self.engine_config = cfg = engine_config or LocalEngineConfig()
         dtype = torch_dtype(cfg.dtype)
         self.model = LlamaModel(config, state_dict, dtype, batch_invariant=cfg.batch_invariant,
-                                invariant_prefill=cfg.invariant_prefill)
+                                invariant_prefill=cfg.invariant_prefill, device=cfg.device)
         cfg.validate(self.model.shape.kv_bytes_per_token(dtype))
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.kv = SlotKV(self.model.shape, cfg.max_running, cfg.max_context, dtype)
+        self.kv = SlotKV(self.model.shape, cfg.max_running, cfg.max_context, dtype, cfg.device)
         self.prefix_cache = PrefixCache(cfg.block_size, cfg.prefix_cache_tokens)
         eos = config.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
@@ -344,7 +344,7 @@ class LocalEngine(CommandLoopEngine):
                 break
             seq = r.sequence
             n = min(budget, len(seq) - r.filled)
-            logits = self.model.prefill(self.kv, r.slot, torch.tensor(seq[r.filled:r.filled + n]), r.filled)
+            logits = self.model.prefill(self.kv, r.slot, torch.tensor(seq[r.filled:r.filled + n]), r.filled).cpu()
             r.filled += n
             budget -= n
             self.stats.prefill_tokens += n
@@ -361,7 +361,7 @@ class LocalEngine(CommandLoopEngine):
         tokens = torch.tensor([r.output_ids[-1] for r in rows], dtype=torch.long)
         positions = torch.tensor([r.filled for r in rows], dtype=torch.long)
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-        logits = self.model.decode(self.kv, tokens, positions, slots)  # only the running rows, compacted
+        logits = self.model.decode(self.kv, tokens, positions, slots).cpu()  # the running rows only, compacted
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(rows)
         for row, r in enumerate(rows):

@@ -84,10 +84,11 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 class SlotKV:
     """Preallocated KV cache: ``slots`` rows of ``max_context`` positions per layer."""
 
-    def __init__(self, shape: ModelShape, slots: int, max_context: int, dtype: torch.dtype) -> None:
+    def __init__(self, shape: ModelShape, slots: int, max_context: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
         size = (shape.num_layers, slots, shape.num_kv_heads, max_context, shape.head_dim)
-        self.k = torch.zeros(size, dtype=dtype)
-        self.v = torch.zeros(size, dtype=dtype)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
         self.slots, self.max_context = slots, max_context
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -106,17 +107,22 @@ class SlotKV:
 
 
 class LlamaModel:
-    """Weights plus the two forward passes the engine needs. Not an ``nn.Module``: inference only."""
+    """Weights plus the two forward passes the engine needs. Not an ``nn.Module``: inference only.
+
+    ``device`` holds the weights and runs the passes (the KV it is given must live there too); token ids and
+    positions may come from the CPU, and logits are returned on ``device``."""
 
     def __init__(self, config, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 batch_invariant: bool = True, invariant_prefill: bool = False) -> None:
+                 batch_invariant: bool = True, invariant_prefill: bool = False,
+                 device: str | torch.device = "cpu") -> None:
         self.config = config
+        self.device = torch.device(device)
         self.batch_invariant = batch_invariant
         self.invariant_prefill = invariant_prefill and batch_invariant
         self.shape = ModelShape.from_hf_config(config)
         self.dtype = dtype
         inv_freq, self.attention_scaling = rope_inv_freq(config, self.shape.head_dim)
-        self._inv_freq = inv_freq
+        self._inv_freq = inv_freq.to(self.device)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.load_state_dict(state_dict)
 
@@ -128,7 +134,7 @@ class LlamaModel:
         def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
             if name not in state_dict:
                 raise ConfigError(f"weight {name!r} is missing from the state dict")
-            t = state_dict[name].detach().to("cpu", dt)
+            t = state_dict[name].detach().to(self.device, dt)
             if shape is not None and tuple(t.shape) != shape:
                 raise ConfigError(f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
             return t.contiguous()
@@ -176,7 +182,7 @@ class LlamaModel:
         need = int(positions.max()) + 1
         if self._rope_cache is None or self._rope_cache[0].shape[0] < need:
             length = max(need, 2 * (self._rope_cache[0].shape[0] if self._rope_cache else 1024))
-            freqs = torch.outer(torch.arange(length, dtype=torch.float32), self._inv_freq)
+            freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=self.device), self._inv_freq)
             emb = torch.cat([freqs, freqs], -1)
             self._rope_cache = (emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
         cos, sin = self._rope_cache
@@ -220,11 +226,12 @@ class LlamaModel:
         Writes their KV into the slot and returns the float32 logits of the last token, ``[vocab]``.
         """
         n = tokens.shape[0]
-        positions = torch.arange(start, start + n)[None]
+        tokens = tokens.to(self.device)
+        positions = torch.arange(start, start + n, device=self.device)[None]
         h = self.embed[tokens][None]
         tiled = self.invariant_prefill
         # query i (position start+i) attends to keys 0..start+i
-        mask = torch.arange(start + n)[None, :] <= positions[0][:, None]
+        mask = torch.arange(start + n, device=self.device)[None, :] <= positions[0][:, None]
         s = self.shape
         group = s.num_heads // s.num_kv_heads
         for li, layer in enumerate(self.layers):
@@ -253,11 +260,12 @@ class LlamaModel:
         B = tokens.shape[0]
         lengths = (positions + 1).tolist()
         slot_list = slots.tolist()
+        tokens, positions, slots = tokens.to(self.device), positions.to(self.device), slots.to(self.device)
         s = self.shape
         group = s.num_heads // s.num_kv_heads
         if not self.batch_invariant:
             T = max(lengths)
-            mask = (torch.arange(T)[None, :] <= positions[:, None])[:, None, None, :]
+            mask = (torch.arange(T, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         h = self.embed[tokens][:, None]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, positions[:, None], tiled=True)
