@@ -90,6 +90,7 @@ class _Tally:
     generated_tokens: int
     active_tokens: int = 0  # context tokens of the started, live ones generating or in tools (not at a gate)
     generating: int = 0  # trajectories with a request in the engine
+    generating_tokens: int = 0  # context tokens of those
     first_waiting: int = 0  # position of the first live trajectory that has not started (len: none)
 
     @classmethod
@@ -114,7 +115,7 @@ class _Tally:
         tally = _Tally(self.positions, self.group_size, self.group_order, self.live_turns, self.live_not_in_tools,
                        self.group_done, self.complete_groups,
                        self.generated_tokens - old.generated_tokens + new.generated_tokens,
-                       self.active_tokens, self.generating, self.first_waiting)
+                       self.active_tokens, self.generating, self.generating_tokens, self.first_waiting)
         tally._count_footprint(old, -1)
         tally._count_footprint(new, +1)
         if live0 != live1:
@@ -130,6 +131,7 @@ class _Tally:
 
     def _count_footprint(self, t: TrajectoryView, sign: int) -> None:
         self.generating += sign * (t.stage is Stage.GENERATE)
+        self.generating_tokens += sign * t.context_tokens * (t.stage is Stage.GENERATE)
         if t.stage is Stage.GENERATE or t.stage is Stage.TOOLS:  # live and started, not at a gate
             self.active_tokens += sign * t.context_tokens
 
@@ -261,6 +263,11 @@ class RolloutView:
     def generating(self) -> int:
         """Trajectories with a request in the engine (O(1))."""
         return self._tally.generating
+
+    @property
+    def generating_tokens(self) -> int:
+        """Context tokens of the trajectories with a request in the engine, summed: the KV decoding now (O(1))."""
+        return self._tally.generating_tokens
 
 
 

@@ -11,10 +11,16 @@ calls) do, driven by what the rollout graph knows:
 * **Admission** (``may_generate``): a trajectory that has not started waits, in batch order, while the KV in use
   — the histories of the started trajectories that are decoding or running a tool
   (:attr:`RolloutView.active_tokens`) — plus its prompt would exceed ``fill`` of the engine's KV
-  (:attr:`EngineInfo.kv_tokens`). A trajectory whose tool returns comes back at once (started ones are never
-  held), so admitted work finishes and frees its KV; histories grow past the pool only by what admitted
-  trajectories add turn by turn, and LRU then evicts the one whose tool has run longest (with heavy-tailed tool
-  latencies, the one least likely to return soon). When nothing is in the engine, the next one is admitted
+  (:attr:`EngineInfo.kv_tokens`), unless the KV decoding now (:attr:`RolloutView.generating_tokens`) plus its
+  prompt is within ``idle_fill`` (0.5) of the pool: then the engine has room to spare, and a tool-waiting
+  history the newcomer may evict costs a recompute, not an idle engine. Without that exception, on the real
+  SGLang CPU server (8,192-token pool, a tiny model whose prefill is cheap) the held trajectories left the
+  engine idle while the admitted ones ran tools: 0.69× of ``async``; with it the simulated software-engineering
+  agent keeps its gain (1,508 s against 1,505 s without), and admitting on decoding KV alone
+  (``idle_fill`` = 1) lets it thrash again (2,308 s; 0.75: 1,618 s). A trajectory whose tool returns comes back
+  at once (started ones are never held), so admitted work finishes and frees its KV; histories grow past the
+  pool only by what admitted trajectories add turn by turn, and LRU then evicts the one whose tool has run
+  longest (with heavy-tailed tool latencies, the one least likely to return soon). When nothing is in the engine, the next one is admitted
   whatever its size, so a history larger than the pool still runs.
 * **Pinning** (``keep_warm``): each request asks the engine to keep its KV for the ``quantile`` of the
   latencies seen so far of the tool its trajectory called last (learned online, per tool; before any is seen,
@@ -25,10 +31,11 @@ calls) do, driven by what the rollout graph knows:
 
 Started trajectories come first at the engine (``priority``: one level above those not started).
 
-**Where it loses** (measured on the simulated engine, README): a tool-chain-bound workload whose histories are
-small (``code-tool``: ~12 s python calls, 10× the decode time, 1–3k-token contexts) — holding the last tenth of
-the batch back until KV frees delays their long tool chains, and the step ends 11% later than under ``async``,
-whose recompute there is cheap.
+**Where it loses** (measured on the simulated engine, README): a workload whose histories are small and whose
+tools are long (``code-tool``: ~12 s python calls, 1–3k-token contexts), by 10%: holding programs back keeps the
+decode batches smaller, so the engine reads its weights in more iterations than the recompute it saves costs
+(``async`` computes 8.8M prefill tokens and is busy 701 s; ``kv`` 3.8M and 781 s). Admitting on decoding KV
+alone would tie there, and thrash the software-engineering agent (above).
 
 Risk class R1: only when requests start and what stays cached change; a request's tokens do not depend on
 either (batch-invariant engine; ``rollopt validate`` checks greedy token parity).
@@ -46,12 +53,15 @@ class KVPolicy(Policy):
     risk_class = RiskClass.R1
 
     def __init__(self, fill: float = 1.0, quantile: float = 0.9, margin: float = 1.25, prior_s: float = 5.0,
-                 max_pin_s: float = 60.0) -> None:
+                 max_pin_s: float = 60.0, idle_fill: float = 0.5) -> None:
         if not 0 < fill <= 2:
             raise ValueError(f"fill must be in (0, 2], got {fill}")
+        if not 0 <= idle_fill <= fill:
+            raise ValueError(f"idle_fill must be in [0, fill], got {idle_fill}")
         if not 0 < quantile <= 1 or margin <= 0 or prior_s < 0 or max_pin_s < 0:
             raise ValueError("quantile in (0, 1], margin > 0, prior_s >= 0, max_pin_s >= 0")
         self.fill, self.quantile, self.margin, self.prior_s, self.max_pin_s = fill, quantile, margin, prior_s, max_pin_s
+        self.idle_fill = idle_fill
 
     def _holds_back(self, view: RolloutView) -> bool:
         """Whether admission is controlled at all: the engine reports its KV and something is in it."""
@@ -63,7 +73,8 @@ class KVPolicy(Policy):
             return True
         if view.first_waiting != tid:  # programs are admitted in batch order (reproducible, fair)
             return False
-        return view.active_tokens + t.context_tokens <= self.fill * view.kv_tokens
+        return (view.active_tokens + t.context_tokens <= self.fill * view.kv_tokens
+                or view.generating_tokens + t.context_tokens <= self.idle_fill * view.kv_tokens)
 
     def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:
         """Only the first waiting trajectory in batch order can be admitted (O(1))."""

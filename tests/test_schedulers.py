@@ -96,6 +96,8 @@ def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scra
         assert derived.generated_tokens == rebuilt.generated_tokens == sum(t.generated_tokens for t in entries)
         in_use = sum(t.context_tokens for t in entries if t.stage in (Stage.GENERATE, Stage.TOOLS))
         assert derived.active_tokens == rebuilt.active_tokens == in_use
+        decoding = sum(t.context_tokens for t in entries if t.stage is Stage.GENERATE)
+        assert derived.generating_tokens == rebuilt.generating_tokens == decoding
         for turn in range(0, 6):
             expected = sum(t.live and t.turn == turn and t.stage is not Stage.TOOLS for t in entries)
             assert derived.live_not_in_tools(turn) == rebuilt.live_not_in_tools(turn) == expected
