@@ -32,9 +32,9 @@ calls) do, driven by what the rollout graph knows:
 Started trajectories come first at the engine (``priority``: one level above those not started).
 
 **Where it loses** (measured on the simulated engine, README): a workload whose histories are small and whose
-tools are long (``code-tool``: ~12 s python calls, 1–3k-token contexts), by 10%: holding programs back keeps the
-decode batches smaller, so the engine reads its weights in more iterations than the recompute it saves costs
-(``async`` computes 8.8M prefill tokens and is busy 701 s; ``kv`` 3.8M and 781 s). Admitting on decoding KV
+tools are long (``code-tool``: ~12 s python calls, 1–3k-token contexts), by 9% (820 s against 744 s): holding
+programs back keeps the decode batches smaller, so the engine reads its weights in more iterations than the
+recompute it saves costs (``async`` computes 8.8M prefill tokens and is busy 701 s; ``kv`` 3.9M and 773 s). Admitting on decoding KV
 alone would tie there, and thrash the software-engineering agent (above).
 
 Risk class R1: only when requests start and what stays cached change; a request's tokens do not depend on

@@ -71,7 +71,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
         partial(CalculatorEnv, difficulty=2, few_shot=True, max_turns=4),
         tasks=4, group_size=4, sampling=SamplingParams(max_new_tokens=64, temperature=0.7), model="smollm2",
         max_running=16),
-    *(Workload(p.name, f"{p.description} ({p.default_tasks * p.group_size} trajectories; sources in "
+    *(Workload(p.name, f"{p.description} ({p.default_tasks * p.group_size} trajectories by default; sources in "
                        "rollopt.environments.agentic)",
                partial(AgentEnv, profile=p.name), tasks=p.default_tasks, group_size=p.group_size,
                sampling=SamplingParams(temperature=1.0), max_running=256)
