@@ -102,8 +102,9 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContex
     async with AsyncExitStack() as stack:
         engine = await stack.enter_async_context(engine_cm)
         info = await engine.info()
-        cal: Calibration = await calibrate(engine, info.vocab_size, w.max_running,
-                                           long_context=min(512, info.max_context - 64))
+        servers = getattr(engine, "engines", [engine])  # several behind a RoutedEngine: calibrate one, scale
+        cal: Calibration = (await calibrate(servers[0], info.vocab_size, w.max_running,
+                                            long_context=min(512, info.max_context - 64))).across(len(servers))
         described = getattr(engine, "describe", lambda: "")()  # e.g. the sim's cost model (a projection?)
         for rep in range(run.repeats):
             for name in run.schedulers:
