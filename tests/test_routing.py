@@ -75,6 +75,25 @@ def test_affinity_key_is_explicit_or_the_prompt_head():
     assert same_head and affinity_key(GenerateRequest("a", (1, 2)), 2) != affinity_key(GenerateRequest("b", (1, 3)), 2)
 
 
+async def test_flush_forgets_the_pins_so_the_next_run_is_placed_by_its_own_loads():
+    """A benchmark flushes between policies: the second run must not inherit the first run's placement (a pin
+    points at a cached prefix, and the flush dropped it)."""
+    backends = [ScriptedEngine(counting) for _ in range(2)]
+    async with RoutedEngine(backends, names=["a", "b"]) as engine:
+        key = key_preferring(engine.router, 0)
+        busy = key_preferring(engine.router, 1)
+        engine.router.in_flight = [5, 0]  # server a loaded when `key` first arrives: bounded load sends it to b
+        assert engine.router.route("key:" + key) == 1
+        engine.router.release(1)
+        engine.router.in_flight = [0, 0]
+        assert engine.router.route("key:" + key) == 1  # pinned, though a is now its preferred and idle
+        engine.router.release(1)
+        await engine.flush_cache()
+        assert engine.router.pinned("key:" + key) is None and engine.router.pinned("key:" + busy) is None
+        assert engine.router.route("key:" + key) == 0  # placed afresh: its rendezvous choice
+        engine.router.release(0)
+
+
 # ---------------------------------------------------------------------------------------------- failover
 class Failing(ScriptedEngine):
     """Fails a request with :class:`EngineFailure` once ``fail_after`` of its tokens were streamed; its partial

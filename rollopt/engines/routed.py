@@ -9,7 +9,8 @@ the same model at the same weight version, and from then on behaves like one eng
   prefix cache, and a batch of groups spreads evenly. :meth:`stats` reports, per server, requests, prompt,
   cached and generated tokens (cache hit rate = cached / prompt), requests in flight, failures, health and the
   weight version.
-* **Fan-out**: ``update_weights``, ``pause``, ``resume``, ``flush_cache`` go to every healthy server at once.
+* **Fan-out**: ``update_weights``, ``pause``, ``resume``, ``flush_cache`` go to every healthy server at once
+  (``flush_cache`` also forgets the key pins).
   Each server's version is recorded; after an update every healthy server must report the new version, else
   :class:`VersionMismatch` (also raised at open if the servers disagree).
 * **Failover, inside the router**: when a server fails a request (:class:`EngineFailure`: connection lost, 5xx),
@@ -392,7 +393,11 @@ class RoutedEngine(Engine):
         await self._fan_out(lambda i, e: e.resume())
 
     async def flush_cache(self) -> None:
+        """Flush every healthy server's cache and forget the router's key pins: a pin exists only because its
+        server holds the key's prefix, so after a flush each key is placed afresh by the loads of that moment.
+        (Without this a benchmark's second policy ran on the placement the first policy's loads had chosen.)"""
         await self._fan_out(lambda i, e: e.flush_cache())
+        self.router.forget_pins()
 
     async def update_weights(self, weights: Any, *, version: int | None = None) -> int:
         """Load ``weights`` on every healthy server (as each backend's ``update_weights`` takes them); every one

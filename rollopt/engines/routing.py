@@ -22,7 +22,8 @@ when it is placed; a batch of many keys spreads evenly, a single hot key does no
 
 Invariants: ``in_flight[i]`` is the number of :meth:`route` results for server ``i`` not yet given back with
 :meth:`release`; an unhealthy server is never returned; marking a server unhealthy drops its pins (its keys are
-placed afresh on their next request). Pins are kept for the ``max_keys`` most recently routed keys.
+placed afresh on their next request); :meth:`forget_pins` drops them all. Pins are kept for the ``max_keys`` most
+recently routed keys.
 """
 
 from __future__ import annotations
@@ -99,6 +100,11 @@ class AffinityRouter:
         self.healthy[index] = False
         for key in [k for k, i in self._pins.items() if i == index]:
             del self._pins[key]
+
+    def forget_pins(self) -> None:
+        """Drop every key pin (the servers' caches were flushed: a pin no longer points at a cached prefix), so
+        the next request of each key is placed afresh by the current loads."""
+        self._pins.clear()
 
     def pinned(self, key: str) -> int | None:
         """The server ``key`` is pinned to, if any."""
