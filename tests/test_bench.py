@@ -68,14 +68,13 @@ def test_lower_bound_takes_the_largest_of_decode_prefill_and_critical_path_not_t
 
 
 def test_the_bound_over_several_servers_adds_their_throughput():
-    """Eight servers prefill and decode in parallel: the work terms shrink eightfold, the critical path does not."""
-    from rollopt.benchmark.measure import Calibration, lower_bound_s
+    """Eight servers prefill and decode in parallel: the work terms shrink eightfold, a trajectory's own critical
+    path (it runs on one server) does not."""
+    from rollopt.benchmark.measure import Calibration, critical_path_s, lower_bound_s
     from rollopt.trajectory import TokenSpan, Trajectory
 
     one = Calibration(step_s=0.001, peak_decode_tok_s=100.0, prefill_tok_s=100.0, per_kv_token_s=1e-4)
     eight = one.across(8)
-    assert (eight.peak_decode_tok_s, eight.prefill_tok_s, eight.step_s) == (800.0, 800.0, 0.001)
-    assert eight.per_kv_token_s == 1.25e-5
     trajs = []
     for i in range(80):
         traj = Trajectory.start(f"t{i}", f"task{i}", f"g{i}", [1000 * i + k for k in range(100)])
@@ -83,3 +82,8 @@ def test_the_bound_over_several_servers_adds_their_throughput():
         trajs.append(traj)
     assert lower_bound_s(trajs, one) == 80.0  # 8,000 unique prompt tokens at 100/s
     assert lower_bound_s(trajs, eight) == 10.0
+    long = Trajectory.start("long", "task-long", "g-long", list(range(5000, 5500)))  # 500 prompt tokens
+    long.append(TokenSpan.generated([7] * 1000, [0.0] * 1000, [0] * 1000))
+    path = critical_path_s(long, eight)
+    assert path == critical_path_s(long, one) and path > 5.0  # its prompt alone: 500 tokens at one server's 100/s
+    assert lower_bound_s(trajs + [long], eight) == path

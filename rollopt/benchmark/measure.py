@@ -12,11 +12,11 @@ Engine calibration (wall clock, on the engine under test, after warm-up):
 
 Lower bound of one rollout step, from the work it actually did (its trajectories, returned or carried over):
 
-    lower_bound_s = max(max(decode_tokens / peak_decode_tok_s, attended_tokens * per_kv_token_s),
-                        unique_prefill_tokens / prefill_tok_s,
+    lower_bound_s = max(max(decode_tokens / (peak_decode_tok_s · n), attended_tokens · per_kv_token_s / n),
+                        unique_prefill_tokens / (prefill_tok_s · n),
                         max over trajectories of its own critical path)
 
-where ``attended_tokens`` sums, over every generated token, the context it attends to (its position). A decode
+on ``n`` identical servers (one calibrated; ``Calibration.servers``), where ``attended_tokens`` sums, over every generated token, the context it attends to (its position). A decode
 step takes at least the longer of its weight/compute time and its KV-read time, so the larger of the two
 decode terms is a bound (their sum would not be, on a compute-bound step). Decode and prefill are not added
 either: an engine that mixes prefill chunks into memory-bound decode steps (SGLang, the simulated engine) hides
@@ -26,14 +26,15 @@ prefill compute under the KV reads — on the simulated search agent the sum exc
 where ``unique_prefill_tokens`` counts each distinct non-generated prefix token once (a trie over all
 trajectories: shared prompts and fork points count once) and a trajectory's critical path is its generated
 tokens × ``step_s`` + its attended tokens × ``per_kv_token_s`` + its own unique prompt tokens / ``prefill_tok_s`` + per turn the longest of its tool calls
-(parallel calls overlap). No schedule can beat either term on this engine.
+(parallel calls overlap), at one server's rates (a trajectory runs on one server). No schedule can beat any term
+on this engine.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import anyio
@@ -47,18 +48,21 @@ from rollopt.trajectory import TokenKind, Trajectory
 
 @dataclass(frozen=True)
 class Calibration:
+    """One server's rates (above), and how many identical ``servers`` share the work (``RoutedEngine``)."""
+
     step_s: float
     peak_decode_tok_s: float
     prefill_tok_s: float
     per_kv_token_s: float = 0.0
+    servers: int = 1
 
     def across(self, servers: int) -> "Calibration":
-        """The calibration of one server, for ``servers`` identical ones working in parallel: their decode and
-        prefill throughputs add and their KV reads split (a lone request's step is the same). With the rates of
-        one server, the work terms of the bound counted 8 servers' prefill at one server's rate: on the
-        simulated search agent at 4,100 on 8 servers the bound (89.6 s) was 3.3× the makespan."""
-        return Calibration(self.step_s, self.peak_decode_tok_s * servers, self.prefill_tok_s * servers,
-                           self.per_kv_token_s / servers)
+        """This server's calibration for ``servers`` identical ones working in parallel: in the bound their
+        decode and prefill throughputs add and their KV reads split, while a trajectory's own critical path runs
+        on one server at its rates. With one server's rates for the work terms, the bound counted 8 servers'
+        prefill at one server's rate: on the simulated search agent at 4,100 on 8 servers it (89.6 s) was 3.3×
+        the makespan."""
+        return replace(self, servers=servers)
 
 
 async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: int = 48,
@@ -145,9 +149,10 @@ def attended_tokens(trajectories: Sequence[Trajectory]) -> int:
 def lower_bound_s(trajectories: Sequence[Trajectory], cal: Calibration) -> float:
     if not trajectories:
         return 0.0
-    decode_s = max(sampled_tokens(trajectories) / cal.peak_decode_tok_s,
-                   attended_tokens(trajectories) * cal.per_kv_token_s)
-    prefill_s = unique_prefill_tokens(trajectories) / cal.prefill_tok_s
+    n = cal.servers
+    decode_s = max(sampled_tokens(trajectories) / (cal.peak_decode_tok_s * n),
+                   attended_tokens(trajectories) * cal.per_kv_token_s / n)
+    prefill_s = unique_prefill_tokens(trajectories) / (cal.prefill_tok_s * n)
     return max(decode_s, prefill_s, max(critical_path_s(t, cal) for t in trajectories))
 
 
