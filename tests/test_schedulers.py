@@ -70,7 +70,7 @@ def test_warm_asks_for_a_ttl_and_combinations_keep_the_longest():
 def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scratch():
     """The executor derives each snapshot from the last one (with_entry); its counts must equal a rebuild's."""
     rng = random.Random(0)
-    entries = [TrajectoryView(f"t{i}", f"g{i // 4}", 0, Stage.GATE, 0) for i in range(24)]
+    entries = [TrajectoryView(f"t{i}", f"g{i // 4}", 0, Stage.GATE, 0) for i in range(150)]  # 3 chunks of Entries
     derived = RolloutView(tuple(entries), target_groups=2)
     stages = [*Stage, *[Stage.DONE] * 6]  # DONE often enough that groups complete, and undo
     kept = []
@@ -79,7 +79,7 @@ def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scra
         return (view.min_live_turn, view.complete_groups(), view.num_complete_groups, view.generated_tokens,
                 [view.live_not_in_tools(turn) for turn in range(6)])
 
-    for step in range(400):
+    for step in range(600):
         i = rng.randrange(len(entries))
         old = entries[i]
         entries[i] = TrajectoryView(old.id, old.group_id, old.turn + rng.randint(0, 1), rng.choice(stages),
@@ -87,7 +87,8 @@ def test_a_view_derived_by_one_changed_entry_answers_like_a_view_built_from_scra
                                     context_tokens=old.context_tokens + rng.randint(0, 50))
         derived = derived.with_entry(entries[i], now=float(step))
         rebuilt = RolloutView(tuple(entries), target_groups=2)
-        assert derived.trajectories == rebuilt.trajectories and derived.now == step
+        assert derived.trajectories == rebuilt.trajectories == tuple(entries) and derived.now == step
+        assert list(derived.trajectories) == entries and derived.trajectories[-1] is entries[-1]
         assert derived.min_live_turn == rebuilt.min_live_turn == min((t.turn for t in entries if t.live), default=None)
         assert derived.complete_groups() == rebuilt.complete_groups()
         complete = [g for g in derived.group_order if all(t.stage is Stage.DONE for t in entries if t.group_id == g)]
