@@ -4,6 +4,7 @@ calibrated to it, side by side: per-policy makespan and p99 latency, their error
     .venv/bin/python bench/sim_validation.py [--engine local] [--cost FILE] [--repeats 3]
                                              [--workloads tool-heavy,long-tail,group-prefix]
                                              [--schedulers sync,async,overlap+prefix,overlap+prefix+preempt]
+                                             [--real bench/results/sim-vs-<engine>.json]
                                              [--out bench/results]
 
 Without ``--cost`` it first calibrates the engine (``rollopt calibrate``, 3 rounds of every probe) and writes
@@ -12,7 +13,9 @@ Without ``--cost`` it first calibrates the engine (``rollopt calibrate``, 3 roun
 sizes (virtual time: one repeat is enough where no tool latency is random across runs, but the same count runs).
 The issue's bar: makespan within ±15%, p99 within ±20%, the same ranking (of the pairs of policies whose real
 makespans differ beyond their min–max spread; the order of a tie is noise). Writes
-``sim-vs-<engine>.json`` and ``.png`` under ``--out``.
+``sim-vs-<engine>.json`` and ``.png`` under ``--out``. ``--real FILE`` takes the real side from an earlier such
+file and runs only the sim: how a change to the sim is checked without re-measuring the engine (the real run is
+the slow part, and the sim must not be run beside it on this 2-core machine).
 """
 
 from __future__ import annotations
@@ -50,6 +53,24 @@ def compare(real: dict, sim: dict) -> list[dict]:
                      "real_rank": real_rank[r["scheduler"]], "sim_rank": sim_rank[r["scheduler"]],
                      "real_prefill_tokens": r["prefill_tokens"], "sim_prefill_tokens": s["prefill_tokens"]})
     return rows
+
+
+def recorded_real(path: Path, workload: str, schedulers: tuple[str, ...]) -> tuple[dict, float]:
+    """The real side of ``workload`` as an earlier run of this script measured it: per policy the fields
+    :func:`compare` reads, and the real run's wall seconds. A missing workload or policy is a one-line error."""
+    earlier = {w["workload"]: w for w in json.loads(path.read_text())["workloads"]}
+    if workload not in earlier:
+        raise SystemExit(f"{path} has no {workload!r} (it has {sorted(earlier)}); drop --real or --workloads")
+    rows = {r["scheduler"]: r for r in earlier[workload]["policies"]}
+    if missing := [s for s in schedulers if s not in rows]:
+        raise SystemExit(f"{path} has no {missing} for {workload!r}; drop --real or pass its --schedulers")
+    policies = [{"scheduler": s, "makespan_s": rows[s]["real_makespan_s"],
+                 "makespan_min_s": rows[s]["real_makespan_range"][0], "makespan_max_s": rows[s]["real_makespan_range"][1],
+                 "p99_latency_s": rows[s]["real_p99_s"], "prefill_tokens": rows[s]["real_prefill_tokens"]}
+                for s in schedulers]
+    report = {"policies": policies, "engine_description": earlier[workload].get("real_engine", ""),
+              "machine": earlier[workload].get("machine"), "recorded_in": str(path)}
+    return report, earlier[workload]["wall_s"]["real"]
 
 
 def distinct_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
@@ -98,6 +119,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="local")
     parser.add_argument("--cost", type=Path, default=None, help="a cost file (default: calibrate now)")
+    parser.add_argument("--real", type=Path, default=None,
+                        help="an earlier sim-vs-<engine>.json: take the real engine's medians from it and run only "
+                             "the sim (after a change to the sim; the same workloads, seeds and policies)")
     parser.add_argument("--workloads", default="tool-heavy,long-tail,group-prefix")
     parser.add_argument("--schedulers", default="sync,async,overlap+prefix,overlap+prefix+preempt")
     parser.add_argument("--repeats", type=int, default=3)
@@ -125,17 +149,24 @@ def main() -> None:
             sizes = load_cost_file(cost).sizes
         sim_engine = engine_config("sim", workload, cost_file=str(cost), max_running=sizes.max_running,
                                    prefill_chunk=sizes.prefill_chunk, block_size=sizes.block_size,
-                                   max_context=sizes.max_context, kv_tokens=sizes.kv_tokens)
+                                   max_context=sizes.max_context, kv_tokens=sizes.kv_tokens,
+                                   defer_shared_prefill=sizes.defer_shared_prefill)
         run = BenchRun(workload, schedulers, repeats=args.repeats)
         walls = {}
         reports = {}
+        recorded = recorded_real(args.real, name, schedulers) if args.real else None
+        if recorded is not None:
+            reports["real"], walls["real"] = recorded
         for side, engine in (("real", real_engine), ("sim", sim_engine)):
+            if side in reports:
+                continue
             started = time.perf_counter()
             reports[side] = run_on_engine_clock(lambda: bench(run, engine), engine)
             walls[side] = time.perf_counter() - started
             print(f"{name} on {side}: {walls[side]:.0f} s wall", flush=True)
         rows = compare(reports["real"], reports["sim"])
         results.append({"workload": name, "wall_s": walls, "policies": rows,
+                        **({"real_recorded_in": str(args.real)} if args.real else {}),
                         "ranking_agrees": ranking_agrees(rows),
                         "distinct_pairs": len(distinct_pairs(rows)),
                         "makespan_within_bar": all(abs(r["makespan_error"]) <= MAKESPAN_BAR for r in rows),

@@ -181,6 +181,20 @@ def test_a_change_before_the_first_waiting_trajectory_scans_nothing(monkeypatch)
     assert v.first_waiting == "x" and sum(scans) == 1  # the one that started: scan on from it
 
 
+def test_a_change_copies_one_chunk_of_entries_not_all_of_them():
+    """At 4,096 trajectories a flat tuple of entries made each state change copy 4,096 references; the next
+    snapshot must share every chunk but the changed one with the last (and still read as the full tuple)."""
+    from rollopt.schedulers.base import Entries
+
+    before = view(*(entry(f"t{i}", Stage.GENERATE, 10) for i in range(4096)))
+    after = before.with_entry(entry("t100", Stage.TOOLS, 10), 1.0)
+    old, new = before.trajectories._chunks, after.trajectories._chunks
+    assert isinstance(after.trajectories, Entries) and len(new) == 4096 // Entries.CHUNK
+    assert [a is b for a, b in zip(old, new)].count(False) == 1
+    assert after["t100"].stage is Stage.TOOLS and before["t100"].stage is Stage.GENERATE
+    assert after.trajectories[:101][-1] is after["t100"] and len(after.trajectories) == 4096
+
+
 class CountingKV(KVPolicy):
     """``kv`` that counts how often the executor asks its gate about a trajectory that has not started."""
 

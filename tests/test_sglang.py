@@ -491,6 +491,8 @@ async def test_calibrate_reads_the_servers_sizes_and_fits_its_probes(sglang_serv
         assert sizes.max_running >= 1 and sizes.prefill_chunk >= 1 and sizes.block_size >= 1
         assert sizes.kv_tokens >= sizes.max_context >= 64
         assert (await eng.info()).kv_tokens == sizes.kv_tokens  # what `kv` admits by on this server
+        assert (await eng._get_server_info())["schedule_policy"] == "fcfs"  # SGLang's default, reported
+        assert sizes.defer_shared_prefill is False  # fcfs prefills a prompt shared by requests that come together
         probes = [Probe(b, p, n) for b in (1, 4) for p in (16, 48) for n in (4, 12)]
         fit = await calibrate(eng, sizes, "sglang tiny", probes=probes, repeats=1)
     assert min(fit.cost.coefficients) >= 0

@@ -511,9 +511,29 @@ def test_the_registry_opens_a_sim_engine_for_a_loaded_model():
                 assert (info.vocab_size, info.eos_token_ids) == (300, (2,))
                 assert "(projection)" in engine.cost.name
                 r = await engine.generate(req("x", [1, 2, 3], 4))
-                assert r.output_ids == [150] * 4  # the default filler: vocab_size // 2
+                assert len(r.output_ids) == 4 and all(0 <= t < 300 and t != 2 for t in r.output_ids)
 
     run(main)
+
+
+def test_the_default_text_differs_per_request_like_a_sampled_model():
+    """Histories must diverge after their shared prompt as a real model's do (one filler id for every token made
+    every trajectory write the same text and share KV no real engine shares); the same prompt still gives the
+    same tokens to a greedy request, and to a sampled one with the same seed."""
+    from rollopt.engines.sim import sampled_text
+
+    script = sampled_text(300, eos_token_ids=(2,))
+
+    def tokens(prompt, rid="r", **sampling):
+        return script(req(rid, prompt, 64, sampling=SamplingParams(max_new_tokens=64, **sampling)))
+
+    greedy = tokens([1, 2, 3], temperature=0)
+    assert greedy == tokens([1, 2, 3], rid="other", temperature=0) != tokens([1, 2, 4], temperature=0)
+    assert len(set(greedy)) > 32 and 2 not in greedy
+    assert tokens([1, 2, 3], seed=7) == tokens([1, 2, 3], rid="other", seed=7) != tokens([1, 2, 3], seed=8)
+    assert tokens([1, 2, 3], rid="a") != tokens([1, 2, 3], rid="b")  # no seed: each request its own draw
+    eos_only_left = sampled_text(3, eos_token_ids=(0, 2))
+    assert eos_only_left(req("x", [5], 10)) == [1] * 10
 
 
 def test_random_traffic_keeps_the_books_and_every_token():

@@ -613,9 +613,10 @@ class SGLangEngine(Engine):
             return False
         return response.status_code == 200
 
-    async def scheduler_sizes(self) -> dict[str, int]:
+    async def scheduler_sizes(self) -> dict[str, int | bool]:
         """The server's scheduling sizes from ``/server_info`` (its resolved arguments and the scheduler's
-        ``max_total_num_tokens``), named as :class:`~rollopt.engines.sim_calibration.EngineSizes`' fields, for
+        ``max_total_num_tokens``) and whether its schedule policy defers a shared uncached prefix, named as
+        :class:`~rollopt.engines.sim_calibration.EngineSizes`' fields, for
         ``rollopt calibrate``. A size the server does not report is an :class:`EngineError` naming it."""
         info = await self._get_server_info()
 
@@ -630,9 +631,13 @@ class SGLangEngine(Engine):
         except EngineError:  # chunked prefill off: a prompt is prefilled whole
             chunk = self.max_context
         # internal_states: the scheduler's resolved limit (0.5.23: effective_max_running_requests_per_dp)
+        # fcfs (0.5.23's default) matches no prefix across the waiting queue: requests that arrive together with
+        # one uncached prompt each prefill it; the cache-aware policies deprioritize all but one of them
+        policy = str(info.get("schedule_policy", "fcfs"))
         return {"max_running": size("effective_max_running_requests_per_dp", "max_running_requests"),
                 "prefill_chunk": chunk,
-                "block_size": size("page_size"), "max_context": self.max_context, "kv_tokens": kv_tokens}
+                "block_size": size("page_size"), "max_context": self.max_context, "kv_tokens": kv_tokens,
+                "defer_shared_prefill": policy in ("lpm", "dfs-weight", "hrrn", "shortest-prefill-first")}
 
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_path, vocab_size=int(self.vocab_size or 0), max_context=self.max_context,

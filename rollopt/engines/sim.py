@@ -1,7 +1,7 @@
 """The simulated engine: SGLang's scheduling and KV mechanics on a virtual clock, timed by a cost model.
 
 It runs no model. A ``script(request) -> list[int]`` gives each request's tokens (default: ``max_new_tokens``
-copies of a filler id), and each iteration lasts what its cost model (:mod:`rollopt.engines.sim_cost`) says:
+ids of :func:`sampled_text`, distinct per request as a sampled model's text is; or copies of ``filler_token``), and each iteration lasts what its cost model (:mod:`rollopt.engines.sim_cost`) says:
 the loop ``await anyio.sleep(seconds)``, so under trio's ``MockClock(autojump_threshold=0)`` virtual time jumps
 over iterations and tool waits alike, and thousands of trajectories run in seconds of wall time.
 
@@ -37,6 +37,7 @@ changes happen in the loop task, API commands between iterations.
 from __future__ import annotations
 
 import enum
+import hashlib
 import heapq
 import itertools
 import math
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import anyio
+import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
 from rollopt.config import SimEngineConfig
@@ -153,6 +155,28 @@ class SimStats:
     peak_used_blocks: int = 0
 
 
+def sampled_text(vocab_size: int, eos_token_ids: Sequence[int] = ()) -> Script:
+    """The default script: ``max_new_tokens`` ids drawn uniformly from the vocabulary less the EOS ids, seeded by
+    the prompt and, for a sampled request, its seed (else its rid), so what the engine's mechanics see is what a
+    sampled model gives them: text that differs per request, so trajectories' histories diverge after the prompt
+    they share. The same prompt gives the same tokens to a greedy request, and to a sampled one with the same seed.
+
+    (With one filler id for every token, every trajectory wrote the same text and their histories shared KV that
+    no real engine shares: on ``tool-heavy`` against the SGLang CPU server with 8,192 tokens of KV, the sim served
+    97% of prompt tokens from its cache and SGLang 57%, and the sim ran 40% faster.)"""
+    allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), np.asarray(eos_token_ids, dtype=np.int64))
+
+    def script(request: GenerateRequest) -> list[int]:
+        s = request.sampling
+        digest = hashlib.blake2b(np.asarray(request.input_ids, dtype=np.int64).tobytes(), digest_size=16)
+        if s.temperature > 0:
+            digest.update((str(s.seed) if s.seed is not None else "rid:" + request.rid).encode())
+        rng = np.random.default_rng(int.from_bytes(digest.digest(), "little"))
+        return allowed[rng.integers(0, len(allowed), s.max_new_tokens)].tolist()
+
+    return script
+
+
 class SimEngine(CommandLoopEngine):
     """See the module docstring. ``record=True`` keeps ``(start, features, seconds)`` of every iteration in
     :attr:`iterations`."""
@@ -169,14 +193,10 @@ class SimEngine(CommandLoopEngine):
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer, self.model_name = tokenizer, model_name
         filler = cfg.filler_token
-        if filler is None:
-            filler = vocab_size // 2
-            while filler in self.eos_token_ids:
-                filler += 1
-        if not 0 <= filler < vocab_size:
+        if filler is not None and not 0 <= filler < vocab_size:
             raise ConfigError(f"engine.filler_token={filler} is outside the vocabulary [0, {vocab_size})")
-        self.filler = filler
-        self.script = script or (lambda request: [filler] * request.sampling.max_new_tokens)
+        self.script = script or (sampled_text(vocab_size, self.eos_token_ids) if filler is None else
+                                 (lambda request: [filler] * request.sampling.max_new_tokens))
         self.version = 0
         self.stats = SimStats()
         self.record = record

@@ -76,6 +76,10 @@ class EngineSizes:
     block_size: int
     max_context: int
     kv_tokens: int
+    defer_shared_prefill: bool = True
+    """Whether a request waits while another prefills its first uncached page (the embedded engine; SGLang's
+    cache-aware schedule policies deprioritize such requests), or prefills it again in the same batch (SGLang's
+    default ``fcfs``: a GRPO group arriving at once computes its prompt once per member)."""
 
     @classmethod
     def of(cls, config: Any) -> "EngineSizes":
@@ -157,11 +161,12 @@ def load_cost_file(path: str | Path) -> CostFile:
         c, e = data["coefficients"], data["engine"]
         linear = tuple(float(c[k] if i < 4 else c.get(k, 0.0)) for i, k in enumerate(COEFFICIENTS))  # 2 optional
         sizes = EngineSizes(*(int(e[k]) for k in ("max_running", "prefill_chunk", "block_size", "max_context",
-                                                  "kv_tokens")))
+                                                  "kv_tokens")),
+                            defer_shared_prefill=bool(e.get("defer_shared_prefill", True)))  # older files: True
         fitted_to = str(data["fitted_to"])
     except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(f"{where} lacks or mangles {error}; {WRITE_ONE}") from None
-    if min(linear) < 0 or min(asdict(sizes).values()) < 1:
+    if min(linear) < 0 or min(v for k, v in asdict(sizes).items() if k != "defer_shared_prefill") < 1:
         raise ConfigError(f"{where} holds a negative coefficient or a size below 1; {WRITE_ONE}")
     return CostFile(linear, fitted_to, sizes)  # type: ignore[arg-type]
 
