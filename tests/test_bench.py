@@ -87,3 +87,48 @@ def test_the_bound_over_several_servers_adds_their_throughput():
     path = critical_path_s(long, eight)
     assert path == critical_path_s(long, one) and path > 5.0  # its prompt alone: 500 tokens at one server's 100/s
     assert lower_bound_s(trajs + [long], eight) == path
+
+
+def test_the_kv_capacity_term_tightens_the_bound_and_no_schedule_beats_it():
+    """On a KV-bound simulated engine (64 agents whose histories exceed the pool) each iteration can attend to
+    at most the pool, so the step needs attended / pool iterations at a lone step's cost each: a tighter bound
+    than full running batches give. It must still be a bound: below every policy's makespan."""
+    from dataclasses import replace
+
+    import anyio
+    import trio.testing
+
+    from rollopt import ChatRenderer, RolloutExecutor, SamplingParams, episode_specs
+    from rollopt.benchmark.measure import calibrate, lower_bound_s
+    from rollopt.config import SimEngineConfig
+    from rollopt.engines.sim import SimEngine
+    from rollopt.engines.sim_cost import model_shape
+    from rollopt.environments.agentic import AgentEnv
+    from rollopt.modeling.tiny import build_tokenizer
+    from rollopt.schedulers import build_scheduler
+
+    tokenizer = build_tokenizer()
+    env = AgentEnv("swe-agent", token_scale=0.4, latency_scale=0.02)  # short tools: the engine binds
+    config = SimEngineConfig(model_shape="llama-3.1-8b", kv_tokens=40_000, max_context=16384)
+
+    async def main():
+        engine = SimEngine.from_config(config, model_shape("llama-3.1-8b"), vocab_size=len(tokenizer),
+                                       eos_token_ids=(tokenizer.eos_token_id,), tokenizer=tokenizer,
+                                       script=env.simulated_model(tokenizer))
+        async with engine:
+            cal = await calibrate(engine, len(tokenizer), 256)
+            out = {}
+            for name in ("async", "kv"):
+                await engine.flush_cache()
+                specs = episode_specs(env.tasks(8, 0), 8, SamplingParams(temperature=1.0), 0)
+                executor = RolloutExecutor(env, engine, ChatRenderer(tokenizer), build_scheduler(name),
+                                           clock=anyio.current_time)
+                result = await executor.run(specs)
+                out[name] = (result.wall_s, lower_bound_s(result.trajectories, cal),
+                             lower_bound_s(result.trajectories, replace(cal, iteration_kv_tokens=None)))
+            return cal, out
+
+    cal, out = anyio.run(main, backend="trio", backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)})
+    assert cal.iteration_kv_tokens == 40_000 and 0 < cal.iteration_s <= 1.01 * cal.step_s
+    for name, (makespan, bound, without) in out.items():
+        assert without < bound <= makespan, (name, makespan, bound, without)

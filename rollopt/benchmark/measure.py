@@ -12,7 +12,8 @@ Engine calibration (wall clock, on the engine under test, after warm-up):
 
 Lower bound of one rollout step, from the work it actually did (its trajectories, returned or carried over):
 
-    lower_bound_s = max(max(decode_tokens / (peak_decode_tok_s · n), attended_tokens · per_kv_token_s / n),
+    lower_bound_s = max(max(decode_tokens / (peak_decode_tok_s · n), attended_tokens · per_kv_token_s / n,
+                            (attended_tokens / pool · iteration_s + attended_tokens · per_kv_token_s) / n),
                         unique_prefill_tokens / (prefill_tok_s · n),
                         max over trajectories of its own critical path)
 
@@ -22,6 +23,14 @@ decode terms is a bound (their sum would not be, on a compute-bound step). Decod
 either: an engine that mixes prefill chunks into memory-bound decode steps (SGLang, the simulated engine) hides
 prefill compute under the KV reads — on the simulated search agent the sum exceeded the measured makespan (LB
 44.0 s, makespan 43.4 s), so it was no bound.
+
+The third decode term is the engine's KV capacity: an iteration attends to at most the ``pool`` its running
+requests' KV lives in (``EngineInfo.running_kv_tokens``; engines that do not report one get no such term), so
+the step needs at least ``attended_tokens / pool`` iterations, and each costs at least a lone request's
+``iteration_s`` (the weights are read, the step launched) besides its KV reads — both are memory traffic, so they
+add even where the step is compute-bound. Without it the bound assumed decode batches as large as the running
+limit, which a KV-bound engine cannot form: on the simulated software-engineering agent (1,024 histories to 32k
+on one H200, about 40 fit at once) it left ~300 s of weight reads out of a 1,497 s step.
 
 where ``unique_prefill_tokens`` counts each distinct non-generated prefix token once (a trie over all
 trajectories: shared prompts and fork points count once) and a trajectory's critical path is its generated
@@ -55,6 +64,12 @@ class Calibration:
     prefill_tok_s: float
     per_kv_token_s: float = 0.0
     servers: int = 1
+    iteration_s: float = 0.0
+    """What one decode iteration costs at least, apart from its KV reads: a lone request's step, per token between
+    a short and a long request (so the per-request path is not in it); 0: not measured."""
+    iteration_kv_tokens: int | None = None
+    """The most context one iteration can attend to (``EngineInfo.running_kv_tokens``, the pool the running
+    requests' KV lives in); None: not reported, and the bound has no KV-capacity term."""
 
     def across(self, servers: int) -> "Calibration":
         """This server's calibration for ``servers`` identical ones working in parallel: in the bound their
@@ -77,6 +92,11 @@ async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: i
     started = anyio.current_time()
     await engine.generate(GenerateRequest("cal.one", ids(16), sampling))
     step_s = (anyio.current_time() - started) / tokens
+    short = max(1, tokens // 6)
+    started = anyio.current_time()
+    await engine.generate(GenerateRequest("cal.short", ids(16), replace(sampling, max_new_tokens=short)))
+    iteration_s = max(0.0, step_s * tokens - (anyio.current_time() - started)) / (tokens - short)
+    pool = (await engine.info()).running_kv_tokens
     started = anyio.current_time()
     async with anyio.create_task_group() as tg:
         for i in range(max_running):
@@ -88,11 +108,11 @@ async def calibrate(engine: Engine, vocab_size: int, max_running: int, tokens: i
     prefill = len(long_prompt) / (anyio.current_time() - started)
     if long_context <= 16:  # the engine's context leaves no room to measure it
         await engine.flush_cache()
-        return Calibration(step_s, peak, prefill)
+        return Calibration(step_s, peak, prefill, iteration_s=iteration_s, iteration_kv_tokens=pool)
     extra = (await _decode_s(engine, ids, long_context, tokens) - await _decode_s(engine, ids, 16, tokens))
     per_kv = max(0.0, extra / ((tokens - 1) * _KV_PROBES * (long_context - 16)))
     await engine.flush_cache()
-    return Calibration(step_s, peak, prefill, per_kv)
+    return Calibration(step_s, peak, prefill, per_kv, iteration_s=iteration_s, iteration_kv_tokens=pool)
 
 
 _KV_PROBES = 8  # requests decoding at once while the KV-read cost is measured (few: the step stays memory-bound)
@@ -150,8 +170,11 @@ def lower_bound_s(trajectories: Sequence[Trajectory], cal: Calibration) -> float
     if not trajectories:
         return 0.0
     n = cal.servers
-    decode_s = max(sampled_tokens(trajectories) / (cal.peak_decode_tok_s * n),
-                   attended_tokens(trajectories) * cal.per_kv_token_s / n)
+    sampled, attended = sampled_tokens(trajectories), attended_tokens(trajectories)
+    decode_s = max(sampled / (cal.peak_decode_tok_s * n), attended * cal.per_kv_token_s / n)
+    if cal.iteration_kv_tokens:  # each iteration attends to at most the pool: at least attended / pool iterations
+        iterations = attended / cal.iteration_kv_tokens
+        decode_s = max(decode_s, (iterations * cal.iteration_s + attended * cal.per_kv_token_s) / n)
     prefill_s = unique_prefill_tokens(trajectories) / (cal.prefill_tok_s * n)
     return max(decode_s, prefill_s, max(critical_path_s(t, cal) for t in trajectories))
 

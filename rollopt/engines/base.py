@@ -131,6 +131,9 @@ class EngineInfo:
     kv_tokens: int | None = None
     """Tokens of KV the engine can keep between requests (its pool or prefix cache); None: not reported.
     Policies that manage a trajectory's KV across its tool calls size their working set by it."""
+    running_kv_tokens: int | None = None
+    """Tokens of context the requests of one iteration can hold at most (the KV pool they decode from; SGLang's
+    ``max_total_num_tokens``); None: not reported. The benchmark's lower bound counts iterations by it."""
 
 
 class Engine(abc.ABC):

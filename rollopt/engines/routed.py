@@ -191,9 +191,10 @@ class RoutedEngine(Engine):
                 stats.version = info.version
             self._check_versions()
             self.version = infos[0].version
-            kv = [i.kv_tokens for i in infos]
+            kv, running = [i.kv_tokens for i in infos], [i.running_kv_tokens for i in infos]
             self._info = replace(infos[0], max_context=min(i.max_context for i in infos),
-                                 kv_tokens=None if None in kv else sum(kv))  # type: ignore[arg-type]
+                                 kv_tokens=None if None in kv else sum(kv),  # type: ignore[arg-type]
+                                 running_kv_tokens=None if None in running else min(running))  # one server's batch
             self._stack = stack.pop_all()
         return self
 

@@ -641,7 +641,8 @@ class SGLangEngine(Engine):
 
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_path, vocab_size=int(self.vocab_size or 0), max_context=self.max_context,
-                          version=self.version, eos_token_ids=tuple(self.eos_token_ids or ()), kv_tokens=self.kv_tokens)
+                          version=self.version, eos_token_ids=tuple(self.eos_token_ids or ()), kv_tokens=self.kv_tokens,
+                          running_kv_tokens=self.kv_tokens)  # one pool: running requests and the radix cache
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.base_url!r}, version={self.version}, live={len(self._live)})"
