@@ -87,10 +87,12 @@ class EngineSizes:
         toward the simulated pool), or of any configuration that has these fields."""
         if getattr(config, "kind", None) == "local":
             kv = config.prefix_cache_tokens + config.max_running * config.max_context
-            return cls(config.max_running, config.prefill_chunk, config.block_size, config.max_context, kv)
+            return cls(config.max_running, config.prefill_chunk, config.block_size, config.max_context, kv,
+                       config.defer_shared_prefill)
         try:
             return cls(*(getattr(config, f) for f in ("max_running", "prefill_chunk", "block_size", "max_context",
-                                                      "kv_tokens")))
+                                                      "kv_tokens")),
+                       defer_shared_prefill=getattr(config, "defer_shared_prefill", True))
         except AttributeError as missing:
             raise ConfigError(f"cannot calibrate engine {getattr(config, 'kind', config)!r}: its configuration "
                               f"does not give its sizes ({missing})") from None
