@@ -122,10 +122,11 @@ def main() -> None:
     for n in (int(x) for x in args.trajectories.split(",")):
         rows.append(profile_step(args.workload, n, args.servers, args.scheduler))
         r = rows[-1]
-        print(f"{n:>6} trajectories, {r['turns']:.0f} turns: scheduler {r['scheduler_ms_per_turn_profiled']:.3f} ms/turn "
-              f"({100 * r['scheduler_share_of_cpu']:.1f}% of the process's CPU; whole process "
-              f"{r['process_ms_per_turn_profiled']:.2f} ms/turn, profiled), sim engine {r['sim_engine_ms_per_turn']:.0f} "
-              f"ms/turn: scheduler = {100 * r['scheduler_share_of_engine_time']:.3f}% of engine time", flush=True)
+        print(f"{n:>6} trajectories, {r['turns']:.0f} turns: scheduler "
+              f"{r['scheduler_ms_per_turn_profiled']:.3f} ms/turn ({100 * r['scheduler_share_of_cpu']:.1f}% of the "
+              f"process's CPU; whole process {r['process_ms_per_turn_profiled']:.2f} ms/turn, profiled), sim engine "
+              f"{r['sim_engine_ms_per_turn']:.0f} ms/turn: scheduler = "
+              f"{100 * r['scheduler_share_of_engine_time']:.3f}% of engine time", flush=True)
     report = {"workload": args.workload, "servers": args.servers, "scheduler": args.scheduler,
               "projection": "simulated engine (virtual time); CPU times are this machine's, under cProfile",
               "rows": rows}

@@ -65,7 +65,8 @@ def recorded_real(path: Path, workload: str, schedulers: tuple[str, ...]) -> tup
     if missing := [s for s in schedulers if s not in rows]:
         raise SystemExit(f"{path} has no {missing} for {workload!r}; drop --real or pass its --schedulers")
     policies = [{"scheduler": s, "makespan_s": rows[s]["real_makespan_s"],
-                 "makespan_min_s": rows[s]["real_makespan_range"][0], "makespan_max_s": rows[s]["real_makespan_range"][1],
+                 "makespan_min_s": rows[s]["real_makespan_range"][0],
+                 "makespan_max_s": rows[s]["real_makespan_range"][1],
                  "p99_latency_s": rows[s]["real_p99_s"], "prefill_tokens": rows[s]["real_prefill_tokens"]}
                 for s in schedulers]
     report = {"policies": policies, "engine_description": earlier[workload].get("real_engine", ""),

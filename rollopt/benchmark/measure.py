@@ -17,7 +17,8 @@ Lower bound of one rollout step, from the work it actually did (its trajectories
                         unique_prefill_tokens / (prefill_tok_s · n),
                         max over trajectories of its own critical path)
 
-on ``n`` identical servers (one calibrated; ``Calibration.servers``), where ``attended_tokens`` sums, over every generated token, the context it attends to (its position). A decode
+on ``n`` identical servers (one calibrated; ``Calibration.servers``), where ``attended_tokens`` sums, over every
+generated token, the context it attends to (its position). A decode
 step takes at least the longer of its weight/compute time and its KV-read time, so the larger of the two
 decode terms is a bound (their sum would not be, on a compute-bound step). Decode and prefill are not added
 either: an engine that mixes prefill chunks into memory-bound decode steps (SGLang, the simulated engine) hides

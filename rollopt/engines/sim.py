@@ -1,7 +1,8 @@
 """The simulated engine: SGLang's scheduling and KV mechanics on a virtual clock, timed by a cost model.
 
 It runs no model. A ``script(request) -> list[int]`` gives each request's tokens (default: ``max_new_tokens``
-ids of :func:`sampled_text`, distinct per request as a sampled model's text is; or copies of ``filler_token``), and each iteration lasts what its cost model (:mod:`rollopt.engines.sim_cost`) says:
+ids of :func:`sampled_text`, distinct per request as a sampled model's text is; or copies of ``filler_token``),
+and each iteration lasts what its cost model (:mod:`rollopt.engines.sim_cost`) says:
 the loop ``await anyio.sleep(seconds)``, so under trio's ``MockClock(autojump_threshold=0)`` virtual time jumps
 over iterations and tool waits alike, and thousands of trajectories run in seconds of wall time.
 
