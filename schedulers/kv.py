@@ -35,8 +35,8 @@ Started trajectories come first at the engine (``priority``: one level above tho
 tools are long (``code-tool``: ~12 s python calls, 1–3k-token contexts), by 9% (820 s against 744 s): holding
 programs back keeps the decode batches smaller, so the engine reads its weights in more iterations than the
 recompute it saves costs (``async`` computes 8.8M prefill tokens and is busy 701 s; ``kv`` 3.9M and 773 s): with the
-decoding KV capped at ``idle_fill`` of the pool, the same KV reads take about twice the iterations, each reading
-the weights again. It is admission alone: without pins 819.5 s, without the started-first priority 819.8 s,
+decoding KV capped at ``idle_fill`` of the pool, the same KV reads take more iterations, each reading the weights
+again. It is admission alone: without pins 819.5 s, without the started-first priority 819.8 s,
 admitting on decoding KV alone (``idle_fill`` = 1) 742.0 s — a tie there, and a thrash on the software-engineering
 agent (above). Telling the two apart needs what the policy does not see: the engine's prefill cost per token
 against its weight-read cost per iteration (both workloads recompute little once held back).
