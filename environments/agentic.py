@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import anyio
 
 from rollopt.config import SamplingParams
+from rollopt.engines.virtual_clock import on_grid
 from rollopt.step import Environment, EpisodeContext, Task, Tool, tool
 from rollopt.toolcalls import ParsedTurn
 from rollopt.trajectory import ToolCall, ToolResult
@@ -232,7 +233,7 @@ def _choice(rng: random.Random, probabilities: Sequence[float]) -> int:
 
 def _tool(name: str) -> Tool:
     async def run(seconds: float, output_tokens: int) -> str:
-        await anyio.sleep(seconds)
+        await anyio.sleep(on_grid(seconds))  # a whole number of virtual-clock ticks: see rollopt.engines.virtual_clock
         return OBSERVATION_WORD * output_tokens
 
     run.__name__ = name

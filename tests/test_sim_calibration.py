@@ -18,8 +18,9 @@ from rollopt.errors import ConfigError
 
 
 def test_calibrating_against_a_simulated_engine_of_known_cost_recovers_that_cost():
-    """On the virtual clock a probe's measured time is exactly the sum of its iterations' costs, so the fit must
-    give back the coefficients the engine was built with (every term, including the optional two)."""
+    """On the virtual clock a probe's measured time is the sum of its iterations' costs (each rounded up to a
+    1 ns tick of the clock's grid), so the fit must give back the coefficients the engine was built with (every
+    term, including the optional two)."""
     truth = LinearCost(2e-3, 3e-5, 4e-4, 5e-8, 2e-9, 6e-4)
     sizes = EngineSizes(max_running=64, prefill_chunk=512, block_size=16, max_context=4096, kv_tokens=327_680)
     config = SimEngineConfig(kv_tokens=sizes.kv_tokens, max_running=64, prefill_chunk=512, max_context=4096)
@@ -30,7 +31,7 @@ def test_calibrating_against_a_simulated_engine_of_known_cost_recovers_that_cost
 
     result = anyio.run(fit, backend="trio", backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)})
     assert result.cost.coefficients == pytest.approx(truth.coefficients, rel=1e-6)
-    assert result.max_rel_error < 1e-9
+    assert result.max_rel_error < 1e-7  # the ticks: up to 1 ns on iterations of 2 ms and more
     assert len(result.probes) == len(DEFAULT_PROBES)
     assert result.cost.name.startswith("fitted:sim truth (linear, 24 probes")
 

@@ -21,6 +21,7 @@ from rollopt.config import LocalEngineConfig
 from rollopt.engines import EngineContext, build_engine
 from rollopt.engines import engine_config as engine_config_by_name
 from rollopt.engines.base import Engine
+from rollopt.engines.virtual_clock import start_repeatable_run
 from rollopt.executor import RolloutExecutor, episode_specs
 from rollopt.modeling import LoadedModel
 from rollopt.schedulers import build_scheduler
@@ -113,6 +114,7 @@ async def run_policies(run: BenchRun, model: LoadedModel, engine_cm: AsyncContex
                 n_tasks = w.tasks + (w.extra_groups if preempts else 0)
                 specs = episode_specs(env.tasks(n_tasks, run.seed), w.group_size, w.sampling, run.seed, **w.fork)
                 await engine.flush_cache()
+                await start_repeatable_run(run.seed * 1_000_003 + rep)  # on the virtual clock: repeats exactly
                 before = _engine_counters(engine)
                 executor = RolloutExecutor(env, engine, renderer, policy, clock=anyio.current_time)
                 result = await executor.run(specs, target_groups=w.tasks if preempts else None)

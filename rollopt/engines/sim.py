@@ -4,7 +4,9 @@ It runs no model. A ``script(request) -> list[int]`` gives each request's tokens
 ids of :func:`sampled_text`, distinct per request as a sampled model's text is; or copies of ``filler_token``),
 and each iteration lasts what its cost model (:mod:`rollopt.engines.sim_cost`) says:
 the loop ``await anyio.sleep(seconds)``, so under trio's ``MockClock(autojump_threshold=0)`` virtual time jumps
-over iterations and tool waits alike, and thousands of trajectories run in seconds of wall time.
+over iterations and tool waits alike, and thousands of trajectories run in seconds of wall time. Durations are
+rounded up to whole ticks of 2⁻³⁰ s (:mod:`rollopt.engines.virtual_clock`), so virtual times add exactly and a
+run's schedule does not depend on when it started.
 
 Mechanics (as SGLang 0.5.23 does them, simplified):
 
@@ -56,6 +58,7 @@ from rollopt.engines.base import (
 )
 from rollopt.engines.command_loop import Command, CommandLoopEngine
 from rollopt.engines.sim_cost import CostModel, IterationFeatures, ModelShape, resolve
+from rollopt.engines.virtual_clock import on_grid
 from rollopt.errors import BadRequestError, ConfigError
 
 Script = Callable[[GenerateRequest], list[int]]
@@ -353,7 +356,7 @@ class SimEngine(CommandLoopEngine):
                         self._wakeup = anyio.Event()
                         await self._wakeup.wait()
                     continue
-                seconds = self.cost.seconds(features)
+                seconds = on_grid(self.cost.seconds(features))
                 self.stats.iterations += 1
                 self.stats.busy_s += seconds
                 if self.record:
@@ -618,7 +621,7 @@ class SimEngine(CommandLoopEngine):
         if r.state is _State.PREFILL or r.state is _State.DECODE:
             pinned = self._insert(r)
             if pinned and r.req.keep_warm_s > 0:
-                self._pin(pinned, anyio.current_time() + r.req.keep_warm_s)
+                self._pin(pinned, anyio.current_time() + on_grid(r.req.keep_warm_s))
             self._free(r)
         elif r.state is _State.WAITING:
             self._n_waiting -= 1
