@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from rollopt import BadRequestError, ChatRenderer, EngineError, EngineFailure, FinishReason, GenerateRequest
+from rollopt.errors import ConfigError
 from rollopt import GenerateResult, SamplingParams, ScriptedEngine, episode_specs, run_rollout
 from rollopt.engines.routed import AllServersFailed, RoutedEngine, VersionMismatch
 from rollopt.engines.routing import AffinityRouter, NoHealthyServer, affinity_key
@@ -53,6 +54,31 @@ def test_prefill_burst_then_members_balance_exactly():
     router = AffinityRouter(["s0", "s1"], epsilon=0.1)
     servers = [router.route(f"key:g{g}") for g in range(8)]
     assert sorted(servers) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_a_pinned_key_moves_off_a_server_far_behind_the_others_and_stays_pinned_there():
+    """sgl-model-gateway's cache_aware balance rule: a key stays with its cached prefix until its server's
+    in-flight count exceeds the least loaded one's by more than ``rebalance_abs`` and ``rebalance_rel`` times."""
+    router = AffinityRouter(["s0", "s1", "s2"], rebalance_abs=4, rebalance_rel=1.5)
+    home = router.route("key:g")
+    router.release(home)
+    other = [i for i in range(3) if i != home]
+    router.in_flight = [0, 0, 0]
+    router.in_flight[home], router.in_flight[other[0]], router.in_flight[other[1]] = 9, 5, 6  # 9 - 5 = 4: not > 4
+    assert router.route("key:g") == home and router.moves == 0
+    router.in_flight[home] = 10  # 10 - 5 > 4 and 10 > 1.5 × 5: moves to the least loaded
+    assert router.route("key:g") == other[0] and router.pinned("key:g") == other[0] and router.moves == 1
+    router.in_flight[home], router.in_flight[other[0]] = 5, 8  # back home is lighter, but not by far
+    assert router.route("key:g") == other[0] and router.moves == 1
+
+
+def test_without_rebalancing_a_pin_never_moves_for_load():
+    router = AffinityRouter(["s0", "s1"], rebalance_abs=None)
+    home = router.route("key:g")
+    router.in_flight[home] = 1000
+    assert router.route("key:g") == home and router.moves == 0
+    with pytest.raises(ConfigError):
+        AffinityRouter(["s0", "s1"], rebalance_rel=0.5)
 
 
 def test_rendezvous_order_is_a_function_of_names_and_key_and_unhealthy_servers_lose_their_pins():

@@ -6,7 +6,8 @@ the same model at the same weight version, and from then on behaves like one eng
 * **Routing** (:mod:`rollopt.engines.routing`): a request goes to the server its affinity key (the GRPO group id
   the executor sets, else its first prompt tokens) is pinned to; a new key is placed by rendezvous hashing with
   a bounded-load rule. So a group's shared prompt and every later turn of its trajectories hit one server's
-  prefix cache, and a batch of groups spreads evenly. :meth:`stats` reports, per server, requests, prompt,
+  prefix cache, and a batch of groups spreads evenly; a key whose server falls far behind the others moves to
+  the least loaded one (rebalancing). :meth:`stats` reports, per server, requests, prompt,
   cached and generated tokens (cache hit rate = cached / prompt), requests in flight, failures, health and the
   weight version.
 * **Fan-out**: ``update_weights``, ``pause``, ``resume``, ``flush_cache`` go to every healthy server at once
@@ -156,10 +157,13 @@ class RoutedEngine(Engine):
         prefix_tokens: how many leading prompt tokens make the key of a request without ``affinity``.
         max_keys: how many key pins to remember.
         drain_timeout_s: how long the router waits for each abort it sends to a server it drains.
+        rebalance_abs, rebalance_rel: when a pinned key moves off an overloaded server (see
+            :class:`~rollopt.engines.routing.AffinityRouter`; ``rebalance_abs=None``: never).
     """
 
     def __init__(self, engines: Sequence[Engine], *, names: Sequence[str] | None = None, epsilon: float = 0.1,
-                 prefix_tokens: int = 64, max_keys: int = 65536, drain_timeout_s: float = 5.0) -> None:
+                 prefix_tokens: int = 64, max_keys: int = 65536, drain_timeout_s: float = 5.0,
+                 rebalance_abs: int | None = 16, rebalance_rel: float = 1.25) -> None:
         if names is None:
             names = [str(getattr(e, "base_url", i)) for i, e in enumerate(engines)]
         if len(names) != len(engines):
@@ -167,7 +171,8 @@ class RoutedEngine(Engine):
         if prefix_tokens < 1:
             raise ConfigError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
         self.engines = list(engines)
-        self.router = AffinityRouter(names, epsilon=epsilon, max_keys=max_keys)
+        self.router = AffinityRouter(names, epsilon=epsilon, max_keys=max_keys, rebalance_abs=rebalance_abs,
+                                     rebalance_rel=rebalance_rel)
         self.prefix_tokens = prefix_tokens
         self.drain_timeout_s = drain_timeout_s
         self.version = 0
