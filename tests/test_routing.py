@@ -9,8 +9,8 @@ from contextlib import aclosing
 import anyio
 import pytest
 
-from rollopt import BadRequestError, ChatRenderer, EngineError, EngineFailure, FinishReason, GenerateRequest
-from rollopt.errors import ConfigError
+from rollopt import BadRequestError, ChatRenderer, ConfigError, EngineError, EngineFailure, FinishReason
+from rollopt import GenerateRequest
 from rollopt import GenerateResult, SamplingParams, ScriptedEngine, episode_specs, run_rollout
 from rollopt.engines.routed import AllServersFailed, RoutedEngine, VersionMismatch
 from rollopt.engines.routing import AffinityRouter, NoHealthyServer, affinity_key
