@@ -6,8 +6,8 @@ across its tool call (``kv``); on an engine that reports no KV size it is ``over
 tables in README (side by side with ``async``, verl's AgentLoop): on the simulated software-engineering agent at
 1,024 trajectories it is the fastest policy measured (1.93×; 1.55× at 4,096 on 8 servers before the router
 rebalanced, a tie with ``async`` at 2,048 on 8 servers after), on the search-agent and single-turn reasoning
-workloads and on every embedded-engine workload it ties with ``async``, and on the tool-chain-bound ``code-tool`` workload
-it is slower than ``async`` (see ``kv``: where it loses).
+workloads and on every embedded-engine workload it ties with ``async``, and on the tool-chain-bound
+``code-tool`` workload it is slower than ``async`` (see ``kv``: where it loses).
 
 Risk class R1: both parts are R1.
 """
