@@ -3,15 +3,16 @@ policies that manage KV, side by side in one run per configuration.
 
     .venv/bin/python bench/agentic_sim.py [--workload swe-agent] [--trajectories 1024] [--servers 1]
                                           [--schedulers async,kv] [--repeats 3] [--hardware H200]
-                                          [--model-shape llama-3.1-8b] [--out bench/results]
+                                          [--model-shape llama-3.1-8b] [--no-rebalance] [--out bench/results]
 
 Every figure is virtual time on the simulated engine (SGLang's scheduling and KV mechanics, each iteration
 timed by the GPU roofline of ``--hardware`` for ``--model-shape``): a projection, not a measurement of a GPU.
 The workload's trajectories (``--trajectories``, in groups of the profile's size) are the same for every policy
 (seeded plans); ``--servers`` simulated servers sit behind the real ``RoutedEngine``. Policies run interleaved
-(A B, A B, ...). Writes ``agentic-<workload>-<trajectories>x<servers>.json`` and ``.png`` under ``--out``: the
-``rollopt bench`` report (medians, min–max, efficiency against the lower bound) plus this machine's wall
-seconds per policy run (the scheduler's and executor's own CPU cost: virtual time makes the engine free).
+(A B, A B, ...). ``--no-rebalance`` keeps each group on the server it first landed on (the router before
+2026-12-06). Writes ``agentic-<workload>-<trajectories>x<servers>[-norebalance].json`` and ``.png`` under ``--out``:
+the ``rollopt bench`` report (medians, min–max, efficiency against the lower bound) plus this machine's wall seconds
+per policy run (the scheduler's and executor's own CPU cost: virtual time makes the engine free).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hardware", default="H200")
     parser.add_argument("--model-shape", default="llama-3.1-8b")
+    parser.add_argument("--no-rebalance", action="store_true",
+                        help="with --servers > 1: the router never moves a group off its first server")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
 
@@ -45,7 +48,7 @@ def main() -> None:
         parser.error(f"--trajectories must be a multiple of {args.workload}'s group size {probe.group_size}")
     workload = get_workload(args.workload, tasks=args.trajectories // probe.group_size)
     engine = engine_config("sim", workload, hardware=args.hardware, model_shape=args.model_shape,
-                           servers=args.servers, max_running=workload.max_running)
+                           servers=args.servers, max_running=workload.max_running, rebalance=not args.no_rebalance)
     schedulers = tuple(s for s in args.schedulers.split(",") if s)
     wall: dict[str, list[float]] = {name: [] for name in schedulers}
     last = [time.perf_counter()]
@@ -61,11 +64,11 @@ def main() -> None:
         return bench(BenchRun(workload, schedulers, repeats=args.repeats), engine, on_step=on_step)
 
     report = run_on_engine_clock(run, engine)
-    report["projection"] = (f"simulated engine ({report['engine_description']}); {args.servers} server(s); "
-                            "virtual time, not a GPU measurement")
+    report["projection"] = (f"simulated engine ({report['engine_description']}); {args.servers} server(s)"
+                            f"{' without rebalancing' * args.no_rebalance}; virtual time, not a GPU measurement")
     report["wall_s_per_run"] = {name: {"median": statistics.median(w), "min": min(w), "max": max(w)}
                                 for name, w in wall.items()}
-    stem = args.out / f"agentic-{args.workload}-{args.trajectories}x{args.servers}"
+    stem = args.out / f"agentic-{args.workload}-{args.trajectories}x{args.servers}{'-norebalance' * args.no_rebalance}"
     save_report(report, stem.with_suffix(".json"))
     plot(report, stem.with_suffix(".png"))
     from rich.console import Console

@@ -257,6 +257,9 @@ class SimEngineConfig:
     """The logprob reported for every token."""
     servers: int = 1
     """Simulated servers, each with this configuration, behind the real ``RoutedEngine`` (group-affine routing)."""
+    rebalance: bool = True
+    """With several servers, let the router move a group off an overloaded server (``AffinityRouter``'s
+    ``rebalance_abs``/``rebalance_rel`` defaults); False: a group stays where it first landed."""
 
     def __post_init__(self) -> None:
         check_fields(self, "engine.")

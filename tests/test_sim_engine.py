@@ -516,6 +516,21 @@ def test_the_registry_opens_a_sim_engine_for_a_loaded_model():
     run(main)
 
 
+def test_several_simulated_servers_rebalance_unless_told_not_to():
+    """``servers=N`` puts N sims behind the router with its rebalancing rule; ``rebalance=false`` (bench's
+    ``--no-rebalance``) keeps each group where it first landed, as the router did before it rebalanced."""
+    hf = SimpleNamespace(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=300, eos_token_id=2, model_type="llama")
+    model = SimpleNamespace(config=hf, tokenizer=None, name="tiny", state_dict={})
+
+    async def main():
+        for rebalance, expected in ((True, 16), (False, None)):
+            async with build_engine(engine_config("sim", servers=2, rebalance=rebalance), model) as engine:
+                assert engine.router.names == ("sim0", "sim1") and engine.router.rebalance_abs == expected
+
+    run(main)
+
+
 def test_the_default_text_differs_per_request_like_a_sampled_model():
     """Histories must diverge after their shared prompt as a real model's do (one filler id for every token made
     every trajectory write the same text and share KV no real engine shares); the same prompt still gives the

@@ -148,7 +148,8 @@ async def _open_sim(config: SimEngineConfig, model: Any, context: EngineContext)
         return
     from rollopt.engines.routed import RoutedEngine
 
-    async with RoutedEngine(engines, names=[f"sim{i}" for i in range(config.servers)]) as routed:
+    rebalance = {} if config.rebalance else {"rebalance_abs": None}
+    async with RoutedEngine(engines, names=[f"sim{i}" for i in range(config.servers)], **rebalance) as routed:
         context.progress(routed.describe())
         yield routed
 
