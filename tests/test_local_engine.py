@@ -198,6 +198,10 @@ async def test_abort_returns_partial_tokens_that_resume_exactly(peaked_model):
 
 
 async def test_update_weights_tags_tokens_with_their_version(tokenizer, peaked_model):
+    """A request in flight across an update is retracted and re-prefills on the new weights: its tokens after
+    the switch are exactly what the new weights alone give for its prompt + tokens before (ids and logprobs).
+    Before, it decoded on KV the old weights had computed (SGLang's engine already retracted): tokens tagged
+    with the new version differed from it, and the trainer's on-policy checks failed at random."""
     other = build_model(len(tokenizer), init_scale=0.5, seed=99).state_dict()
     long = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)
     async with engine(peaked_model) as eng:
@@ -207,12 +211,17 @@ async def test_update_weights_tags_tokens_with_their_version(tokenizer, peaked_m
             if len(chunks) == 5:
                 assert await eng.update_weights(other) == 1
         res = chunks[-1].result
-        assert (await eng.info()).version == 1
+        assert (await eng.info()).version == 1 and eng.stats.retractions == 1
         assert len(eng.prefix_cache) == 0 or eng.prefix_cache.stats.cleared == 1
         after = await eng.generate(GenerateRequest("y", prompt(16), GREEDY))
-    switch = res.versions.index(1)
+        switch = res.versions.index(1)
+        fresh = await eng.generate(GenerateRequest("z", prompt(16) + tuple(res.output_ids[:switch]),
+                                                   SamplingParams(max_new_tokens=60 - switch, temperature=0,
+                                                                  ignore_eos=True)))
     assert set(res.versions[:switch]) == {0} and set(res.versions[switch:]) == {1} and 5 <= switch < 60
     assert after.versions == [1] * len(after.output_ids)
+    assert res.output_ids[switch:] == fresh.output_ids
+    assert res.logprobs[switch:] == pytest.approx(fresh.logprobs, abs=1e-5)
 
 
 async def test_pause_retract_resumes_without_losing_tokens(peaked_model):

@@ -74,6 +74,8 @@ def test_stream_and_generate_semantics_and_versions_across_a_weight_update():
             # the update applies between iterations: the iteration already planned keeps version 0
             k = result.versions.count(0)
             assert k in (3, 4) and result.versions == [0] * k + [1] * (8 - k)
+            # it was retracted around the update and re-prefilled prompt + output so far (as SGLang's engine)
+            assert engine.stats.retractions == 1 and engine.stats.prefill_tokens > 20
             assert result.finish_reason is FinishReason.LENGTH and result.prompt_tokens == 20
             assert (await engine.info()).version == 1
             assert await engine.update_weights(None, version=5) == 5

@@ -10,8 +10,11 @@ Contract of every engine:
   so far, so the caller can resume by appending them to ``input_ids``.
 * ``pause("abort")`` aborts everything in flight; ``pause("retract")`` frees running requests' KV and re-queues
   them (they finish normally after ``resume()``); ``pause("in_place")`` stops decoding and keeps the KV.
-* ``update_weights(...)`` applies between decode steps and returns the new version; requests in flight
-  continue with the new weights and tag their new tokens with it. The prefix cache is invalidated.
+* ``update_weights(...)`` applies between decode steps and returns the new version; requests in flight are
+  retracted around it (their KV freed; SGLang's ``pause_generation(mode="retract")``) and re-prefill prompt +
+  output so far on the new weights, then continue and tag their new tokens with it: a token tagged version v
+  was computed by v's weights alone (AReaL's recompute; KV kept across the update would mix versions). The
+  prefix cache is invalidated.
 * Bad requests raise :class:`~rollopt.errors.BadRequestError` naming the problem; the engine keeps serving
   the others. An engine failure mid-request raises :class:`EngineFailure` carrying the partial result.
 """

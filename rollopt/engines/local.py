@@ -266,12 +266,12 @@ class LocalEngine(CommandLoopEngine):
                 for r in list(self._live.values()):
                     self._finish(r, FinishReason.ABORT)
             elif arg == "retract":
-                for r in [s for s in self._slots if s is not None]:
-                    self._retract(r)
+                self._retract_running()
         elif name == "resume":
             self._paused = None
         elif name == "update_weights":
             weights, self.version = arg
+            self._retract_running()  # KV the old weights computed would mix versions (base: update_weights)
             self.model.load_state_dict(weights)
             self.prefix_cache.clear()
             return self.version
@@ -404,6 +404,13 @@ class LocalEngine(CommandLoopEngine):
         if r.slot >= 0:
             self._slots[r.slot] = None
             r.slot = -1
+
+    def _retract_running(self) -> None:
+        """Retract every request holding a slot; one paused in place loses its KV, so the pause becomes a retract."""
+        for r in [s for s in self._slots if s is not None]:
+            self._retract(r)
+        if self._paused == "in_place":
+            self._paused = "retract"
 
     def _retract(self, r: _Request) -> None:
         """Free a running request's KV and put it back in the queue; it re-prefills prompt + output so far."""

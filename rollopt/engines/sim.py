@@ -396,14 +396,12 @@ class SimEngine(CommandLoopEngine):
                 for r in list(self._live.values()):
                     self._finish(r, FinishReason.ABORT, None)
             elif arg == "retract":
-                for r in self._running:
-                    if r.state is _State.PREFILL or r.state is _State.DECODE:
-                        self._retract(r)
-                self._running = []
+                self._retract_running()
         elif name == "resume":
             self._paused = None
         elif name == "update_weights":
             self.version = arg
+            self._retract_running()  # as SGLang's update under pause_generation(mode="retract") (base: update_weights)
             self._clear_cache()
             return self.version
         elif name == "flush_cache":
@@ -631,6 +629,15 @@ class SimEngine(CommandLoopEngine):
         self._live.pop(r.req.rid, None)
         self.stats.requests_finished += 1
         self.stats.requests_aborted += reason is FinishReason.ABORT
+
+    def _retract_running(self) -> None:
+        """Retract every running request; one paused in place loses its KV, so the pause becomes a retract."""
+        for r in self._running:
+            if r.state is _State.PREFILL or r.state is _State.DECODE:
+                self._retract(r)
+        self._running = []
+        if self._paused == "in_place":
+            self._paused = "retract"
 
     def _retract(self, r: _Req) -> None:
         """Free ``r``'s private pages (not cached, as SGLang) and unlock its prefix; re-queue it."""
