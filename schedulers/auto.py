@@ -4,8 +4,8 @@ Each tool call starts as soon as its ``</tool_call>`` closes in the decode strea
 engine reports its KV size, trajectories are admitted while the KV in use fits the pool and each history is pinned
 across its tool call (``kv``); on an engine that reports no KV size it is ``overlap``. Chosen from the measured
 tables in README (side by side with ``async``, verl's AgentLoop): on the simulated software-engineering agent at
-1,024 trajectories it is the fastest policy measured (1.93×; 1.55× at 4,096 on 8 servers before the router
-rebalanced, a tie with ``async`` at 2,048 on 8 servers after), on the search-agent and single-turn reasoning
+1,024 trajectories it is the fastest policy measured (1.93×; 1.38× at 4,096 on 8 servers with the router
+rebalancing, 1.55× before; a tie with ``async`` at 2,048 on 8 servers), on the search-agent and single-turn reasoning
 workloads and on every embedded-engine workload it ties with ``async``, and on the tool-chain-bound
 ``code-tool`` workload it is slower than ``async`` (see ``kv``: where it loses).
 
