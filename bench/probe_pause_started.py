@@ -7,14 +7,18 @@ Registers ``auto-pause`` in this process only and runs ``bench/agentic_sim.py`` 
 schedulers may be named beside it). ``kv`` never holds a started trajectory: one back from its tool call sends its
 next turn at once, and when the histories of the admitted programs outgrow the KV the engine's LRU thrashes. Here,
 as ThunderAgent's program scheduler does (arXiv 2602.13692; NVIDIA Dynamo's ``thunderagent_router``), a started
-trajectory back from its tools also waits at its gate while the KV in use plus its history exceeds the pool (or
-the decoding KV is above ``idle_fill``, as ``kv``'s admission rule), the paused ones resume smallest history first,
-and no new program is admitted while any is paused. Risk class R1: only when requests start changes.
+trajectory back from its tools also waits at its gate unless its history passes ``kv``'s admission rule
+(``KVPolicy._fits``: it fits beside the KV in use, or the decoding KV plus it is within ``idle_fill`` of the pool),
+the paused ones resume smallest history first, and no new program is admitted while any is paused. Risk class R1:
+only when requests start changes.
 
-Measured 2026-12-07 (one seeded run each, H200 roofline, llama-3.1-8b, virtual seconds; README): swe-agent 2,048
-on 8 servers 578.1 s against ``async`` 742.5 s and ``auto`` 736.3 s (1.28×), prefill 60.1M against 108.8M; at
-1,024 on one server 1,531.7 s against ``auto``'s 1,482.4 s (3% slower; 1.87× over ``async``). Pausing first come
-first served instead of smallest first, with new programs admitted beside paused ones: 1,973.8 s at 1,024.
+Measured 2026-12-07 (one seeded run each, H200 roofline, llama-3.1-8b, virtual seconds; README), in runs separate
+from ``async``'s and ``auto``'s in ``bench/results/agentic-swe-agent-*``: a seeded simulated run repeats exactly
+(this script reproduced the exploratory runs to the last digit), so they compare as if side by side: swe-agent 2,048
+on 8 servers 578.1 s against ``async`` 742.5 s and ``auto`` 736.3 s (1.28×), prefill 60.1M against 108.8M,
+efficiency 0.62 against 0.48 (the bound 356.1 s); at 1,024 on one server 1,531.7 s against ``auto``'s 1,482.4 s (3%
+slower; 1.87× over ``async``). Pausing first come first served instead of smallest first, with new programs admitted
+beside paused ones: 1,973.8 s at 1,024.
 
 Not yet a policy: each state change wakes every paused trajectory (O(paused)); ``code-tool`` and the embedded
 engine were not measured; the heap is state the policy keeps across batches (stale entries are dropped lazily).
@@ -53,10 +57,6 @@ class PauseStartedKVPolicy(KVPolicy):
             heapq.heappop(self._paused)
             self._queued.discard(tid)
         return None
-
-    def _fits(self, view: RolloutView, tokens: int) -> bool:
-        return (view.active_tokens + tokens <= self.fill * view.kv_tokens
-                or view.generating_tokens + tokens <= self.idle_fill * view.kv_tokens)
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         if not self._holds_back(view):

@@ -77,8 +77,13 @@ class KVPolicy(Policy):
             return True
         if view.first_waiting != tid:  # programs are admitted in batch order (reproducible, fair)
             return False
-        return (view.active_tokens + t.context_tokens <= self.fill * view.kv_tokens
-                or view.generating_tokens + t.context_tokens <= self.idle_fill * view.kv_tokens)
+        return self._fits(view, t.context_tokens)
+
+    def _fits(self, view: RolloutView, tokens: int) -> bool:
+        """The admission rule: a history of ``tokens`` fits beside the KV in use, or the engine has room to spare
+        (the KV decoding now plus it within ``idle_fill`` of the pool)."""
+        return (view.active_tokens + tokens <= self.fill * view.kv_tokens
+                or view.generating_tokens + tokens <= self.idle_fill * view.kv_tokens)
 
     def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:
         """Only the first waiting trajectory in batch order can be admitted (O(1))."""
