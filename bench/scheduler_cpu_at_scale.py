@@ -39,6 +39,7 @@ from rollopt.benchmark.runner import engine_config
 from rollopt.benchmark.workloads import get_workload
 from rollopt.engines import EngineContext, build_engine
 from rollopt.engines import run as run_on_engine_clock
+from rollopt.engines.virtual_clock import start_repeatable_run
 from rollopt.modeling import load_model
 from rollopt.schedulers import build_scheduler
 
@@ -72,6 +73,7 @@ def profile_step(workload_name: str, trajectories: int, servers: int, scheduler:
     async def step() -> None:
         async with build_engine(config, model, EngineContext(script=script)) as engine:
             specs = episode_specs(env.tasks(workload.tasks, 0), workload.group_size, workload.sampling, 0)
+            await start_repeatable_run(0)  # trio's order of same-instant wake-ups seeded: the step repeats exactly
             executor = RolloutExecutor(env, engine, ChatRenderer(model.tokenizer), build_scheduler(scheduler),
                                        clock=anyio.current_time)
             profiler = cProfile.Profile()

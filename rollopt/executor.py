@@ -193,11 +193,11 @@ class _Batch:
         self._calls_ctx = accepts_context(self.env.calls_for_turn)
         self._graph, self._t0 = RolloutGraph(), self.clock()
         self._target = target_groups
-        self._max_context, self._kv_tokens = info.max_context, info.kv_tokens
+        self._max_context, self._kv_tokens, self._kv_pools = info.max_context, info.kv_tokens, info.kv_pools
         self._tool_latency = ToolLatencies()
         self._changed: anyio.Event | None = None  # set on the next state change; made only when a gate waits
-        # trajectories waiting at may_generate, each woken by its own event: those not started yet only when the
-        # policy's admission_candidates names them (one, for a policy that admits in order), started ones always
+        # trajectories waiting at may_generate, each woken by its own event only when the policy's
+        # admission_candidates (not started yet) or resume_candidates (started) names them
         self._admission_waiters: dict[str, anyio.Event] = {}
         self._started_waiters: dict[str, anyio.Event] = {}
         self._view: RolloutView | None = None
@@ -282,7 +282,7 @@ class _Batch:
         """The policy's snapshot; rebuilt after each state change (token counts may lag by one change)."""
         if self._view is None:
             self._view = RolloutView(tuple(r.view() for r in self._runs), self._target, self._now(), self._kv_tokens,
-                                     self._tool_latency)
+                                     self._tool_latency, self._kv_pools)
         return self._view
 
     def _notify(self, changed: TrajectoryRun) -> None:
@@ -313,17 +313,15 @@ class _Batch:
                 scope.cancel()
 
     def _wake_gate_waiters(self) -> None:
-        """Wake the may_generate waiters whose gate may have opened: every started one, and of those not
-        started the ones the policy's ``admission_candidates`` names (O(1) for a policy that admits in order;
-        waking thousands of waiters on every change made a 4,096-trajectory rollout quadratic)."""
-        if self._started_waiters:
-            waiters, self._started_waiters = self._started_waiters, {}
-            for event in waiters.values():
-                event.set()
-        if self._admission_waiters:
-            for tid in list(self.policy.admission_candidates(self.view(), self._admission_waiters.keys())):
-                if (event := self._admission_waiters.pop(tid, None)) is not None:
-                    event.set()
+        """Wake the may_generate waiters whose gate may have opened: those the policy's ``admission_candidates``
+        (not started) and ``resume_candidates`` (started) name (O(1) for a policy that admits and resumes in an
+        order; waking thousands of waiters on every change made a 4,096-trajectory rollout quadratic)."""
+        for waiters, candidates in ((self._admission_waiters, self.policy.admission_candidates),
+                                    (self._started_waiters, self.policy.resume_candidates)):
+            if waiters:
+                for tid in list(candidates(self.view(), waiters.keys())):
+                    if (event := waiters.pop(tid, None)) is not None:
+                        event.set()
 
     async def _wait_to_generate(self, run: TrajectoryRun) -> None:
         """Wait until ``may_generate`` opens for ``run`` (re-checked when :meth:`_wake_gate_waiters` wakes it)

@@ -13,7 +13,7 @@ its own module, declares its risk class, and is registered in ``SCHEDULERS``; a 
 | preempt   | abort stragglers at the batch quota, carry them over, resume          | R3   |
 | warm      | keep each trajectory's KV cached across its tool calls (a TTL pin)    | R1   |
 | las       | least attained service first: short trajectories are not stuck behind long ones | R1 |
-| kv        | admit trajectories while the KV in use fits the pool; pin each across its tool call | R1 |
+| kv        | admit trajectories while the KV in use fits the pool (behind a router, resume started ones so too); pin each across its tool call | R1 |
 | auto      | the default to pick: overlap+kv                                       | R1   |
 """
 

@@ -245,6 +245,8 @@ class RolloutView:
     """The engine's KV capacity in tokens (:attr:`EngineInfo.kv_tokens`); None: not reported."""
     tool_latency: "ToolLatencies | None" = None
     """Latencies of the tool calls finished so far in this batch, per tool (None: not tracked)."""
+    kv_pools: int = 1
+    """How many separate KV pools ``kv_tokens`` sums (:attr:`EngineInfo.kv_pools`: servers behind a router)."""
     _tally: _Tally = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -261,7 +263,8 @@ class RolloutView:
         if pos == tally.first_waiting:  # within a batch trajectories only start or end, so only the first waiting
             tally.first_waiting = _first_waiting(entries, pos)  # one's change moves it: amortized O(1) scans
         view.__dict__.update(trajectories=entries, target_groups=self.target_groups, now=now,
-                             kv_tokens=self.kv_tokens, tool_latency=self.tool_latency, _tally=tally)
+                             kv_tokens=self.kv_tokens, tool_latency=self.tool_latency, kv_pools=self.kv_pools,
+                             _tally=tally)
         return view
 
     def __getitem__(self, tid: str) -> TrajectoryView:
@@ -378,6 +381,12 @@ class Policy:
         policy that admits in a fixed order returns just the next one and a change costs O(1), not O(waiting)."""
         return not_started
 
+    def resume_candidates(self, view: RolloutView, paused: Collection[str]) -> Iterable[str]:
+        """Of the started trajectories waiting at ``may_generate`` (held between turns), those whose gate may be
+        open now (a superset; default: all of them). Like :meth:`admission_candidates`: a policy that resumes held
+        trajectories in an order returns just the next one, and a change costs O(1), not O(held)."""
+        return paused
+
     def priority(self, view: RolloutView, tid: str) -> int:
         return 0
 
@@ -422,7 +431,8 @@ class CompositePolicy(Policy):
         self.barrier = any(p.barrier for p in parts)  # type: ignore[misc]
         self.keep_warm_s = max(p.keep_warm_s for p in parts)
         self._asked = {hook: [p for p in parts if _overrides(p, hook)]
-                       for hook in ("may_generate", "may_run_tools", "admission_candidates", "priority", "keep_warm",
+                       for hook in ("may_generate", "may_run_tools", "admission_candidates", "resume_candidates",
+                                    "priority", "keep_warm",
                                     "preempt", "sampling")}
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
@@ -436,6 +446,12 @@ class CompositePolicy(Policy):
         for p in self._asked["admission_candidates"]:
             not_started = list(p.admission_candidates(view, not_started))
         return not_started
+
+    def resume_candidates(self, view: RolloutView, paused: Collection[str]) -> Iterable[str]:
+        """Narrowed part by part, as :meth:`admission_candidates`."""
+        for p in self._asked["resume_candidates"]:
+            paused = list(p.resume_candidates(view, paused))
+        return paused
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return sum(p.priority(view, tid) for p in self._asked["priority"])

@@ -529,6 +529,8 @@ def test_several_simulated_servers_rebalance_unless_told_not_to():
         for rebalance, expected in ((True, 16), (False, None)):
             async with build_engine(engine_config("sim", servers=2, rebalance=rebalance), model) as engine:
                 assert engine.router.names == ("sim0", "sim1") and engine.router.rebalance_abs == expected
+                info, one = await engine.info(), await engine.engines[0].info()
+                assert (info.kv_pools, one.kv_pools) == (2, 1) and info.kv_tokens == 2 * one.kv_tokens
 
     run(main)
 

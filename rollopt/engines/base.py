@@ -137,6 +137,9 @@ class EngineInfo:
     running_kv_tokens: int | None = None
     """Tokens of context the requests of one iteration can hold at most (the KV pool they decode from; SGLang's
     ``max_total_num_tokens``); None: not reported. The benchmark's lower bound counts iterations by it."""
+    kv_pools: int = 1
+    """How many separate KV pools ``kv_tokens`` sums (the servers behind a router): a policy that sizes its
+    working set by the sum cannot see one pool overflowing while the others have room."""
 
 
 class Engine(abc.ABC):
