@@ -84,6 +84,7 @@ class TrajectoryRun:
     rid: str | None = None
     last_node: str | None = None
     last_tool: str | None = None  # the tool its latest call named
+    kv_pool: int | None = None  # where its requests run (``Policy.kv_pool``, asked as its gate opens)
     tool_scopes: list[anyio.CancelScope] = field(default_factory=list)
     early_tools: dict[str, "_ToolSlot"] = field(default_factory=dict)  # started while the turn decoded
     _view: tuple[tuple, TrajectoryView] | None = field(default=None, repr=False, compare=False)
@@ -106,11 +107,11 @@ class TrajectoryRun:
     def view(self) -> TrajectoryView:
         """The policy's view of this trajectory; rebuilt only when what it shows changed (the executor asks
         for every trajectory's view after each state change of any one of them)."""
-        key = (self.turn, self.stage, self.suspended, self.carry_age, len(self.traj), self.last_tool)
+        key = (self.turn, self.stage, self.suspended, self.carry_age, len(self.traj), self.last_tool, self.kv_pool)
         if self._view is None or self._view[0] != key:
             stage = Stage.PREEMPTED if self.suspended else self.stage
             self._view = (key, TrajectoryView(self.id, self.traj.group_id, self.turn, stage, self.traj.num_generated,
-                                              self.carry_age, len(self.traj), self.last_tool))
+                                              self.carry_age, len(self.traj), self.last_tool, self.kv_pool))
         return self._view[1]
 
 
@@ -356,6 +357,7 @@ class _Batch:
                 await self._wait_to_generate(run)
                 if run.preempt_requested:
                     return self._suspend(run)
+                run.kv_pool = self.policy.kv_pool(self.view(), run.id)  # counted there from the next notify on
                 await self._shared_prefill(run)
                 self._set_stage(run, Stage.GENERATE)
             if run.stage is Stage.GENERATE:
@@ -412,7 +414,7 @@ class _Batch:
             result = await self.engine.generate(GenerateRequest(f"{run.id}.prefill{run.turn}",
                                                                 tuple(run.traj.token_ids.tolist()),
                                                                 SamplingParams(max_new_tokens=0),
-                                                                affinity=run.traj.group_id))
+                                                                affinity=run.traj.group_id, kv_pool=run.kv_pool))
             self._graph.finish(node, self._now(), cached_tokens=result.cached_tokens)
         except EngineError as exc:  # only an optimization failed: the children prefill themselves
             self._graph.finish(node, self._now(), status="error", error=str(exc))
@@ -453,6 +455,7 @@ class _Batch:
             request = GenerateRequest(request_id(traj.id, run.turn, run.segments), tuple(traj.token_ids.tolist()),
                                       replace(sampling, max_new_tokens=room, seed=seed),
                                       priority=self.policy.priority(self.view(), run.id), affinity=traj.group_id,
+                                      kv_pool=run.kv_pool,
                                       keep_warm_s=self.policy.keep_warm(self.view(), run.id),
                                       stream_tokens=closers)
             run.segments += 1

@@ -2,13 +2,15 @@
 
 Each tool call starts as soon as its ``</tool_call>`` closes in the decode stream (``overlap``), and, where the
 engine reports its KV size, trajectories are admitted while the KV in use fits the pool and each history is pinned
-across its tool call (``kv``); behind a router (several KV pools) started trajectories are also held while their
-history does not fit (``kv``'s pausing). On an engine that reports no KV size it is ``overlap``. Chosen from the
-measured tables in README (side by side with ``async``, verl's AgentLoop): on the simulated software-engineering
-agent it is the fastest policy measured — 1.93× at 1,024 trajectories on one server, 1.49× at 4,096 on 8 servers
-(1.38× without pausing), 1.25× at 2,048 on 8 servers (a tie without) — on the search-agent and single-turn reasoning workloads and on every
-embedded-engine workload it ties with ``async``, and on the tool-chain-bound ``code-tool`` workload on one server
-it is 9% slower than ``async`` (see ``kv``: where it loses).
+across its tool call (``kv``); behind a router (several KV pools) ``kv`` places each group on a server and sizes
+every server's pool on its own, and started trajectories are also held while their history does not fit (``kv``'s
+placing and pausing). On an engine that reports no KV size it is ``overlap``. Chosen from the measured tables in
+README (side by side with ``async``, verl's AgentLoop): on the simulated software-engineering agent it is the
+fastest policy measured — 1.93× at 1,024 trajectories on one server, 1.62× at 4,096 on 8 servers (1.49× with the
+pools summed, 1.38× without pausing), 1.36× at 2,048 on 8 servers (a tie without either) — on the search-agent and
+single-turn reasoning workloads and on every embedded-engine workload it ties with ``async`` (reasoning at 4,096 on
+8 servers: 1.06×), and on the tool-chain-bound ``code-tool`` workload on one server it is 9% slower than ``async``
+(see ``kv``: where it loses).
 
 Risk class R1: both parts are R1.
 """
@@ -24,6 +26,6 @@ class AutoPolicy(CompositePolicy):
     name = "auto"
     risk_class = RiskClass.R1
 
-    def __init__(self, fill: float = 1.0, pause: str = "pooled") -> None:  # kv's options
-        super().__init__([OverlapPolicy(), KVPolicy(fill=fill, pause=pause)])
+    def __init__(self, fill: float = 1.0, pause: str = "pooled", place: bool = True) -> None:  # kv's options
+        super().__init__([OverlapPolicy(), KVPolicy(fill=fill, pause=pause, place=place)])
         self.name = "auto"  # type: ignore[misc]

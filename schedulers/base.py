@@ -10,6 +10,8 @@ A policy owns no tasks, clients or clocks. The executor (``rollopt.executor``) c
 * ``shared_prefill``: prefill a shared prefix (a GRPO group's prompt, a tree fork point) once before the
   children that share it start;
 * ``priority(view, tid)``: engine priority of the trajectory's next request (higher runs first);
+* ``kv_pool(view, tid)``: which of the engine's KV pools (servers behind a router) the trajectory's requests run
+  in, asked once each time its gate opens (default None: the engine places it);
 * ``keep_warm(view, tid)``: ask the engine to keep the KV of the trajectory's next request cached this many
   seconds after it ends (or until the trajectory's next turn reuses it), so the history survives the turn's
   tool calls (default: the policy's constant ``keep_warm_s``);
@@ -64,6 +66,7 @@ class TrajectoryView:
     carry_age: int = 0  # batches this trajectory has already been carried over
     context_tokens: int = 0  # tokens of its history so far (prompt, turns, observations)
     last_tool: str | None = None  # the tool its latest tool call named (None before any)
+    kv_pool: int | None = None  # the KV pool its requests run in (``Policy.kv_pool``; None: the engine's choice)
 
     @property
     def started(self) -> bool:
@@ -94,6 +97,8 @@ class _Tally:
     generating: int = 0  # trajectories with a request in the engine
     generating_tokens: int = 0  # context tokens of those
     first_waiting: int = 0  # position of the first live trajectory that has not started (len: none)
+    pool_active_tokens: dict[int, int] = field(default_factory=dict)  # ``active_tokens`` per placed KV pool
+    pool_generating_tokens: dict[int, int] = field(default_factory=dict)  # ``generating_tokens`` per placed pool
 
     @classmethod
     def of(cls, entries: Sequence[TrajectoryView]) -> "_Tally":
@@ -117,7 +122,11 @@ class _Tally:
         tally = _Tally(self.positions, self.group_size, self.group_order, self.live_turns, self.live_not_in_tools,
                        self.group_done, self.complete_groups,
                        self.generated_tokens - old.generated_tokens + new.generated_tokens,
-                       self.active_tokens, self.generating, self.generating_tokens, self.first_waiting)
+                       self.active_tokens, self.generating, self.generating_tokens, self.first_waiting,
+                       self.pool_active_tokens, self.pool_generating_tokens)
+        if old.kv_pool is not None or new.kv_pool is not None:  # copy on write
+            tally.pool_active_tokens = self.pool_active_tokens.copy()
+            tally.pool_generating_tokens = self.pool_generating_tokens.copy()
         tally._count_footprint(old, -1)
         tally._count_footprint(new, +1)
         if live0 != live1:
@@ -132,10 +141,15 @@ class _Tally:
         return tally
 
     def _count_footprint(self, t: TrajectoryView, sign: int) -> None:
-        self.generating += sign * (t.stage is Stage.GENERATE)
-        self.generating_tokens += sign * t.context_tokens * (t.stage is Stage.GENERATE)
-        if t.stage is Stage.GENERATE or t.stage is Stage.TOOLS:  # live and started, not at a gate
+        generating = t.stage is Stage.GENERATE
+        self.generating += sign * generating
+        self.generating_tokens += sign * t.context_tokens * generating
+        if generating or t.stage is Stage.TOOLS:  # live and started, not at a gate
             self.active_tokens += sign * t.context_tokens
+            if t.kv_pool is not None:
+                _bump(self.pool_active_tokens, t.kv_pool, sign * t.context_tokens)
+                if generating:
+                    _bump(self.pool_generating_tokens, t.kv_pool, sign * t.context_tokens)
 
     def _count_done(self, group: str, delta: int) -> None:
         size = self.group_size[group]
@@ -326,6 +340,14 @@ class RolloutView:
         """Context tokens of the trajectories with a request in the engine, summed: the KV decoding now (O(1))."""
         return self._tally.generating_tokens
 
+    def pool_active_tokens(self, pool: int) -> int:
+        """:attr:`active_tokens` of the trajectories placed in KV pool ``pool`` (``TrajectoryView.kv_pool``; O(1))."""
+        return self._tally.pool_active_tokens.get(pool, 0)
+
+    def pool_generating_tokens(self, pool: int) -> int:
+        """:attr:`generating_tokens` of the trajectories placed in KV pool ``pool`` (O(1))."""
+        return self._tally.pool_generating_tokens.get(pool, 0)
+
 
 
 class ToolLatencies:
@@ -390,6 +412,11 @@ class Policy:
     def priority(self, view: RolloutView, tid: str) -> int:
         return 0
 
+    def kv_pool(self, view: RolloutView, tid: str) -> int | None:
+        """The KV pool (of ``view.kv_pools``: servers behind a router) trajectory ``tid``'s requests run in until
+        its gate next opens; asked once as it passes ``may_generate``. None (the default): the engine places it."""
+        return None
+
     def keep_warm(self, view: RolloutView, tid: str) -> float:
         return self.keep_warm_s
 
@@ -432,7 +459,7 @@ class CompositePolicy(Policy):
         self.keep_warm_s = max(p.keep_warm_s for p in parts)
         self._asked = {hook: [p for p in parts if _overrides(p, hook)]
                        for hook in ("may_generate", "may_run_tools", "admission_candidates", "resume_candidates",
-                                    "priority", "keep_warm",
+                                    "priority", "kv_pool", "keep_warm",
                                     "preempt", "sampling")}
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
@@ -455,6 +482,10 @@ class CompositePolicy(Policy):
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return sum(p.priority(view, tid) for p in self._asked["priority"])
+
+    def kv_pool(self, view: RolloutView, tid: str) -> int | None:
+        """The first part's placement that names one."""
+        return next((pool for p in self._asked["kv_pool"] if (pool := p.kv_pool(view, tid)) is not None), None)
 
     def keep_warm(self, view: RolloutView, tid: str) -> float:
         return max([self.keep_warm_s, *(p.keep_warm(view, tid) for p in self._asked["keep_warm"])])

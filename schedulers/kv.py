@@ -24,22 +24,33 @@ calls) do, driven by what the rollout graph knows:
   engine, the next one is admitted whatever its size, so a history larger than the pool still runs.
 * **Pausing started programs** (``pause``; ThunderAgent's program scheduler, arXiv 2602.13692): a started
   trajectory back from its tools is held at its gate unless its history passes the same admission rule; the held
-  ones go on smallest history first (``resume_candidates`` names only that one, so a change re-checks one held
-  trajectory, not all), and no new program starts while any is held. ``"pooled"`` (the default) pauses only
-  where ``kv_tokens`` sums several pools (:attr:`EngineInfo.kv_pools`: servers behind a router). There the sum
-  hides one server overflowing while others have room, and when the prompts fit the summed pools everything is
-  admitted at once and the histories outgrow them: on the simulated software-engineering agent at 2,048 on 8
-  servers, ``auto`` without pausing ties with ``async`` (736.3 s against 742.5 s; prefill 108.8M) and with it
-  runs 578.1 s (60.1M), at 4,096 on 8 servers 998.7 s against 1,081.8 s without and 1,488.0 s for ``async``. On
-  one server admission already sees the real pool and pausing only adds waits: software-engineering agent at
-  1,024 1,531.7 s against 1,482.4 s, ``code-tool`` 844.5 against 819.6 s, ``search-agent`` 44.40 against
-  43.35 s (``"always"`` pauses there too; ``"never"`` nowhere). Holding only past a larger fill of the pool was
-  worse where pausing pays (1.5×: 700.3 s at 2,048 × 8; 2×: 736.3 s, no pause) and no better where it does not.
+  ones go on smallest history first (``resume_candidates`` names only that one per pool, so a change re-checks
+  one held trajectory a pool, not all), and no new program starts in a pool while any is held there. ``"pooled"``
+  (the default) pauses only behind a router (:attr:`EngineInfo.kv_pools` > 1): when the prompts fit the pools
+  everything is admitted at once and the histories outgrow them (software-engineering agent at 2,048 on 8
+  servers: ``auto`` without pausing tied with ``async``, 736.3 s against 742.5 s, prefill 108.8M). On one
+  server admission already sees the real pool and pausing only adds waits: software-engineering agent at 1,024
+  1,531.7 s against 1,482.4 s, ``code-tool`` 844.5 against 819.6 s, ``search-agent`` 44.40 against 43.35 s
+  (``"always"`` pauses there too; ``"never"`` nowhere). Holding only past a larger fill of the pool was worse
+  where pausing pays (1.5×: 700.3 s at 2,048 × 8; 2×: 736.3 s, no pause) and no better where it does not;
+  resuming the largest history first instead of the smallest (for the tail) took 598.9 s at 2,048 × 8 against
+  544.5 s.
+* **Placing programs in pools** (``place``, on by default; behind a router): ``kv_tokens`` then sums several
+  servers' pools, and the sum hides one server overflowing while others have room (with the pools summed,
+  pausing reached 595.8 s at 2,048 × 8 and 998.7 s at 4,096 × 8, prefill 64.9M and 92.0M). So every rule above
+  is applied per pool (each ``kv_tokens / kv_pools``, its KV in use counted from the trajectories placed there:
+  :meth:`RolloutView.pool_active_tokens`), and the policy places the programs itself (:meth:`kv_pool`, which the
+  executor sends as ``GenerateRequest.kv_pool`` and the router obeys): a new group goes to the pool with the
+  least KV in use among those holding nobody, its members follow it (the prompt is in that server's cache), and
+  a held history whose own pool stays full moves to a pool that has room for it beside what is in use there (its
+  history is prefilled there again — instead of waiting). Without moving, groups placed when their histories
+  were still prompts grew unevenly and the servers were busy 382–748 s (771.4 s at 2,048 × 8, worse than
+  ``async``); with it 432–480 s. Measured (one seeded run each, README): 2,048 × 8 544.5 s, 4,096 × 8 921.3 s.
 * **Pinning** (``keep_warm``): each request asks the engine to keep its KV for the ``quantile`` of the
   latencies seen so far of the tool its trajectory called last (learned online, per tool; before any is seen,
   ``prior_s``), times ``margin``, capped by ``max_pin_s`` (a history whose tool is slower than that is let
-  go). While the KV in use exceeds ``fill`` of the pool, nothing is pinned: a pin would then evict a running
-  request's KV. Where the engine reports no KV size (``EngineInfo.kv_tokens`` is None), nothing is held back
+  go). While the KV in use exceeds ``fill`` of the pool (its own pool, when placing), nothing is pinned: a pin
+  would then evict a running request's KV. Where the engine reports no KV size (``EngineInfo.kv_tokens`` is None), nothing is held back
   and nothing pinned: the policy is ``async``.
 
 Started trajectories come first at the engine (``priority``: one level above those not started).
@@ -72,7 +83,8 @@ class KVPolicy(Policy):
     PAUSE = ("never", "pooled", "always")
 
     def __init__(self, fill: float = 1.0, quantile: float = 0.9, margin: float = 1.25, prior_s: float = 5.0,
-                 max_pin_s: float = 60.0, idle_fill: float = 0.5, pause: str = "pooled") -> None:
+                 max_pin_s: float = 60.0, idle_fill: float = 0.5, pause: str = "pooled",
+                 place: bool = True) -> None:
         if not 0 < fill <= 2:
             raise ValueError(f"fill must be in (0, 2], got {fill}")
         if not 0 <= idle_fill <= fill:
@@ -82,80 +94,154 @@ class KVPolicy(Policy):
         if not 0 < quantile <= 1 or margin <= 0 or prior_s < 0 or max_pin_s < 0:
             raise ValueError("quantile in (0, 1], margin > 0, prior_s >= 0, max_pin_s >= 0")
         self.fill, self.quantile, self.margin, self.prior_s, self.max_pin_s = fill, quantile, margin, prior_s, max_pin_s
-        self.idle_fill, self.pause = idle_fill, pause
-        self._held: list[tuple[int, str]] = []  # started trajectories held at their gate: (history tokens, id), a heap
-        self._held_at: dict[str, int] = {}  # id -> the history tokens of its entry in ``_held``
+        self.idle_fill, self.pause, self.place = idle_fill, pause, place
+        # started trajectories held at their gate, per KV pool (None: the one pool it sizes by): heaps of
+        # (history tokens, id); ``_held_at``: id -> the history tokens of its entry
+        self._held: dict[int | None, list[tuple[int, str]]] = {}
+        self._held_at: dict[str, int] = {}
+        self._group_pool: dict[str, int] = {}  # group -> the KV pool its members run in (placing)
+        self._moving: dict[str, tuple[int, int]] = {}  # held trajectory -> (the pool with room it goes on in,
+        # its history tokens then): placing
 
     def _pauses(self, view: RolloutView) -> bool:
         """Whether started trajectories are held too (``pause``)."""
         return self.pause == "always" or (self.pause == "pooled" and view.kv_pools > 1)
 
+    def _places(self, view: RolloutView) -> bool:
+        """Whether it places programs in the pools itself and sizes each pool's working set (``place``)."""
+        return self.place and view.kv_pools > 1 and view.kv_tokens is not None
+
     def _holds_back(self, view: RolloutView) -> bool:
         """Whether admission is controlled at all: the engine reports its KV and something is in it."""
         return view.kv_tokens is not None and view.generating > 0
+
+    def _pool_of(self, view: RolloutView, tid: str) -> int | None:
+        """The pool ``tid`` runs in (None: not placing): a started one's own, else its group's, else the pool a new
+        group would go to (:meth:`_emptiest_pool`)."""
+        if not self._places(view):
+            return None
+        t = view[tid]
+        if t.started and t.kv_pool is not None:
+            return t.kv_pool
+        pool = self._group_pool.get(t.group_id)
+        return self._emptiest_pool(view) if pool is None else pool
+
+    def _emptiest_pool(self, view: RolloutView) -> int:
+        """Where a new group goes: the pool with the least KV in use among those holding nobody (O(pools))."""
+        pools = [p for p in range(view.kv_pools) if self._next_held(view, p) is None] or range(view.kv_pools)
+        return min(pools, key=lambda p: (view.pool_active_tokens(p), p))
+
+    def kv_pool(self, view: RolloutView, tid: str) -> int | None:
+        """Placing: a group's members all run in the pool its first admitted member went to (they share its prompt
+        in that server's prefix cache)."""
+        moved = self._moving.pop(tid, None)
+        if moved is not None and moved[1] == view[tid].context_tokens:
+            return moved[0]
+        pool = self._pool_of(view, tid)
+        if pool is not None:
+            if len(self._group_pool) > 2 * len(view.trajectories):  # groups of earlier batches (amortized O(1))
+                live = set(view.group_order)
+                self._group_pool = {g: p for g, p in self._group_pool.items() if g in live}
+            self._group_pool.setdefault(view[tid].group_id, pool)
+        return pool
 
     def may_generate(self, view: RolloutView, tid: str) -> bool:
         if not self._holds_back(view):
             return True
         t = view[tid]
+        pool = self._pool_of(view, tid)
         if t.started:
-            return self._may_resume(view, tid, t.context_tokens) if self._pauses(view) else True
-        if self._pauses(view) and self._next_held(view) is not None:
-            return False  # held programs resume before new ones start
+            return self._may_resume(view, tid, t.context_tokens, pool) if self._pauses(view) else True
+        if self._pauses(view) and self._next_held(view, pool) is not None:
+            return False  # held programs resume before new ones start in their pool
         if view.first_waiting != tid:  # programs are admitted in batch order (reproducible, fair)
             return False
-        return self._fits(view, t.context_tokens)
+        return self._fits(view, t.context_tokens, pool)
 
-    def _may_resume(self, view: RolloutView, tid: str, tokens: int) -> bool:
-        """A started trajectory back from its tools goes on if nothing is held and its history passes the admission
-        rule; otherwise it is held, and the held ones go on smallest history first (pausing)."""
-        first = self._next_held(view)
-        if first is None and self._fits(view, tokens):
+    def _may_resume(self, view: RolloutView, tid: str, tokens: int, pool: int | None) -> bool:
+        """A started trajectory back from its tools goes on if nothing is held in its pool and its history passes
+        the admission rule; otherwise it is held, and the held ones go on smallest history first (pausing)."""
+        first = self._next_held(view, pool)
+        if first is None and self._fits(view, tokens, pool):
             return True
         if self._held_at.get(tid) != tokens:
-            heapq.heappush(self._held, (tokens, tid))
+            heapq.heappush(self._held.setdefault(pool, []), (tokens, tid))
             self._held_at[tid] = tokens
-            first = self._next_held(view)
-        return first == tid and self._fits(view, tokens)
+            first = self._next_held(view, pool)
+        if first != tid:
+            return False
+        if self._fits(view, tokens, pool):
+            return True
+        if pool is not None and (other := self._pool_with_room(view, tokens)) is not None:
+            self._moving[tid] = (other, tokens)  # its history is prefilled there again, instead of waiting for its own pool
+            return True
+        return False
 
-    def _next_held(self, view: RolloutView) -> str | None:
-        """The held trajectory with the smallest history (None: none), dropping entries of trajectories that have
-        since gone on (amortized O(log held): each entry is pushed and popped once)."""
-        while self._held:
-            tokens, tid = self._held[0]
+    def _pool_with_room(self, view: RolloutView, tokens: int) -> int | None:
+        """The pool with the least KV in use that holds nobody and has room for ``tokens`` beside it (None: none)."""
+        size = self.fill * view.kv_tokens / view.kv_pools
+        pools = [p for p in range(view.kv_pools)
+                 if self._next_held(view, p) is None and view.pool_active_tokens(p) + tokens <= size]
+        return min(pools, key=lambda p: (view.pool_active_tokens(p), p), default=None)
+
+    def _next_held(self, view: RolloutView, pool: int | None) -> str | None:
+        """The trajectory held in ``pool`` with the smallest history (None: none), dropping entries of trajectories
+        that have since gone on (amortized O(log held): each entry is pushed and popped once)."""
+        held = self._held.get(pool)
+        while held:
+            tokens, tid = held[0]
             t = view[tid] if tid in view else None
             if t is not None and t.live and t.started and t.stage is Stage.GATE and t.context_tokens == tokens:
                 return tid
-            heapq.heappop(self._held)
+            heapq.heappop(held)
             if self._held_at.get(tid) == tokens:
                 del self._held_at[tid]
         return None
 
-    def _fits(self, view: RolloutView, tokens: int) -> bool:
-        """The admission rule: a history of ``tokens`` fits beside the KV in use, or the engine has room to spare
-        (the KV decoding now plus it within ``idle_fill`` of the pool)."""
-        return (view.active_tokens + tokens <= self.fill * view.kv_tokens
-                or view.generating_tokens + tokens <= self.idle_fill * view.kv_tokens)
+    def _fits(self, view: RolloutView, tokens: int, pool: int | None) -> bool:
+        """The admission rule: a history of ``tokens`` fits beside the KV in use in ``pool`` (None: the engine's
+        one pool, or all of them summed), or that pool has room to spare (the KV decoding now plus it within
+        ``idle_fill`` of the pool; a placed pool with nothing decoding takes it whatever its size)."""
+        if pool is None:
+            size, active, generating = view.kv_tokens, view.active_tokens, view.generating_tokens
+        else:
+            size = view.kv_tokens / view.kv_pools
+            active, generating = view.pool_active_tokens(pool), view.pool_generating_tokens(pool)
+            if generating == 0:
+                return True
+        return active + tokens <= self.fill * size or generating + tokens <= self.idle_fill * size
 
     def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:
         """Only the first waiting trajectory in batch order can be admitted (O(1))."""
         if not self._holds_back(view):
             return not_started
-        if self._pauses(view) and self._next_held(view) is not None:
-            return ()
         first = view.first_waiting
-        return (first,) if first is not None and first in not_started else ()
+        if first is None or first not in not_started:
+            return ()
+        if self._pauses(view) and self._next_held(view, self._pool_of(view, first)) is not None:
+            return ()
+        return (first,)
 
     def resume_candidates(self, view: RolloutView, paused: Collection[str]) -> Iterable[str]:
-        """While pausing: only the held trajectory with the smallest history can go on (amortized O(log held))."""
-        first = self._next_held(view) if self._holds_back(view) and self._pauses(view) else None
-        return paused if first is None else (first,) if first in paused else ()
+        """While pausing: only the held trajectory with the smallest history in each pool can go on (amortized
+        O(pools · log held))."""
+        if not (self._holds_back(view) and self._pauses(view)):
+            return paused
+        firsts = [first for pool in list(self._held) if (first := self._next_held(view, pool)) is not None]
+        return [first for first in firsts if first in paused] if firsts else paused
 
     def priority(self, view: RolloutView, tid: str) -> int:
         return 1 if view[tid].started else 0
 
     def keep_warm(self, view: RolloutView, tid: str) -> float:
-        if view.kv_tokens is None or view.active_tokens > self.fill * view.kv_tokens:
+        if view.kv_tokens is None:
+            return 0.0
+        pool = view[tid].kv_pool if self._places(view) else None
+        if pool is None:
+            overfull = view.active_tokens > self.fill * view.kv_tokens
+        else:
+            overfull = view.pool_active_tokens(pool) > self.fill * view.kv_tokens / view.kv_pools
+        if overfull:
             return 0.0  # the KV in use does not fit: pins would crowd out running requests' KV
         latencies, tool = view.tool_latency, view[tid].last_tool
         expected = None

@@ -15,6 +15,7 @@ from rollopt import GenerateResult, SamplingParams, ScriptedEngine, episode_spec
 from rollopt.engines.routed import AllServersFailed, RoutedEngine, VersionMismatch
 from rollopt.engines.routing import AffinityRouter, NoHealthyServer, affinity_key
 from rollopt.environments import SyntheticEnv
+from rollopt.schedulers import Policy, RiskClass
 
 
 def counting(request: GenerateRequest) -> list[int]:
@@ -79,6 +80,17 @@ def test_without_rebalancing_a_pin_never_moves_for_load():
     assert router.route("key:g") == home and router.moves == 0
     with pytest.raises(ConfigError):
         AffinityRouter(["s0", "s1"], rebalance_rel=0.5)
+
+
+def test_a_placed_request_goes_to_its_server_while_healthy_and_takes_its_key_there():
+    """``GenerateRequest.kv_pool``: the caller places the request (a policy sizing each server's KV); no rebalancing
+    moves it, and an unhealthy or unknown server falls back to the router's own placement."""
+    router = AffinityRouter(["s0", "s1", "s2"], rebalance_abs=0, rebalance_rel=1.0)
+    router.in_flight = [50, 0, 0]
+    assert router.route("key:g", server=0) == 0 and router.pinned("key:g") == 0 and router.moves == 0
+    assert router.route("key:g") == 1 and router.moves == 1  # unplaced, the same key rebalances as before
+    router.mark_unhealthy(2)
+    assert router.route("key:h", server=2) != 2 and router.route("key:i", server=7) in (0, 1)
 
 
 def test_rendezvous_order_is_a_function_of_names_and_key_and_unhealthy_servers_lose_their_pins():
@@ -282,3 +294,27 @@ async def test_the_executor_keeps_every_request_of_a_group_on_one_server(tokeniz
             where.setdefault(request.affinity, set()).add(i)
     assert sorted(where) == sorted({s.group_id for s in specs}) and all(len(s) == 1 for s in where.values())
     assert sorted(len(b.requests) for b in backends) == [4 * (1 + 4 * 2)] * 2  # per group: prefill + 4 × 2 turns
+
+
+class PlacingPolicy(Policy):
+    """Puts sample ``….sK`` of each group in pool K mod 2: the router's own placement keeps a group together, so
+    only the policy's placement explains where a request lands."""
+
+    name = "placing"
+    risk_class = RiskClass.R1
+
+    def kv_pool(self, view, tid):
+        return int(tid.rsplit(".s", 1)[1]) % 2
+
+
+async def test_the_executor_sends_each_request_to_the_pool_the_policy_names(tokenizer):
+    """``Policy.kv_pool`` → ``GenerateRequest.kv_pool`` → that server, for every turn of every trajectory."""
+    env = SyntheticEnv(turns=(2, 2), tokens_per_turn=(3, 5), tool_latency_s=0.001)
+    backends = [ScriptedEngine(lambda r: [5] * r.sampling.max_new_tokens, token_delay_s=0.001) for _ in range(2)]
+    specs = episode_specs(env.tasks(4, 0), 4, SamplingParams(temperature=0), seed=0)
+    async with RoutedEngine(backends, names=["a", "b"]) as engine:
+        trajs = await run_rollout(env, engine, ChatRenderer(tokenizer), specs, PlacingPolicy())
+    assert len(trajs) == 16 and all(t.error is None for t in trajs)
+    for i, backend in enumerate(backends):
+        assert len(backend.requests) == 8 * 2 and all(r.kv_pool == i for r in backend.requests)
+        assert {int(r.rid.split(".t")[0].rsplit(".s", 1)[1]) % 2 for r in backend.requests} == {i}

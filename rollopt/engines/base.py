@@ -59,7 +59,12 @@ class GenerateRequest:
     :func:`may_hold_back`): every engine here follows it (the SGLang server still sends each token; the
     client buffers the ones it may hold back instead of waking the caller). The executor passes the ids that
     can close a tool call when it starts tools early, else an empty set, so a trajectory's task wakes a few
-    times per turn instead of once per token."""
+    times per turn instead of once per token.
+
+    ``kv_pool``: which of the engine's KV pools (``EngineInfo.kv_pools``: the servers behind a router, in order)
+    the request runs in; None lets the engine choose. A policy that sizes each pool's working set itself (``kv``
+    behind a router) places programs with it. A router sends the request to that server while it is healthy and
+    keeps the affinity key there; an engine with one pool ignores it."""
 
     rid: str
     input_ids: tuple[int, ...]
@@ -68,6 +73,7 @@ class GenerateRequest:
     affinity: str | None = None
     keep_warm_s: float = 0.0
     stream_tokens: frozenset[int] | None = None
+    kv_pool: int | None = None
 
 
 def may_hold_back(request: GenerateRequest, sent: int, new_ids: Sequence[int]) -> bool:
@@ -138,8 +144,9 @@ class EngineInfo:
     """Tokens of context the requests of one iteration can hold at most (the KV pool they decode from; SGLang's
     ``max_total_num_tokens``); None: not reported. The benchmark's lower bound counts iterations by it."""
     kv_pools: int = 1
-    """How many separate KV pools ``kv_tokens`` sums (the servers behind a router): a policy that sizes its
-    working set by the sum cannot see one pool overflowing while the others have room."""
+    """How many separate KV pools ``kv_tokens`` sums (the servers behind a router), each ``kv_tokens / kv_pools``
+    tokens: a policy that sizes its working set by the sum cannot see one pool overflowing while the others have
+    room, so it places its requests itself (``GenerateRequest.kv_pool``)."""
 
 
 class Engine(abc.ABC):

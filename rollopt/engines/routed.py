@@ -7,7 +7,8 @@ the same model at the same weight version, and from then on behaves like one eng
   the executor sets, else its first prompt tokens) is pinned to; a new key is placed by rendezvous hashing with
   a bounded-load rule. So a group's shared prompt and every later turn of its trajectories hit one server's
   prefix cache, and a batch of groups spreads evenly; a key whose server falls far behind the others moves to
-  the least loaded one (rebalancing). :meth:`stats` reports, per server, requests, prompt,
+  the least loaded one (rebalancing). A request that names its ``kv_pool`` (a policy placing programs by each
+  server's KV) goes to that server while it is healthy. :meth:`stats` reports, per server, requests, prompt,
   cached and generated tokens (cache hit rate = cached / prompt), requests in flight, failures, health and the
   weight version.
 * **Fan-out**: ``update_weights``, ``pause``, ``resume``, ``flush_cache`` go to every healthy server at once
@@ -286,7 +287,7 @@ class RoutedEngine(Engine):
         result chunk when that server cut it short (failure or drain), so the caller resumes elsewhere."""
         segment = flight.segment()
         try:
-            index = self.router.route(flight.key)
+            index = self.router.route(flight.key, flight.request.kv_pool)
         except NoHealthyServer as exc:
             why = "; ".join(f"{s.name}: {s.last_error}" for s in self._stats if s.last_error)  # what took each out
             raise AllServersFailed(f"request {flight.request.rid}: {exc} ({why})",

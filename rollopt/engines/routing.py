@@ -29,6 +29,10 @@ prefilled 3.8M in 370 s (the same task subset alone on one server thrashes the s
 policy); with rebalancing every server prefilled 13.0–14.3M and was busy 584–644 s, and ``auto``'s step fell
 from 971.8 s to 736.3 s (measured, one run each).
 
+A request the caller has placed (``GenerateRequest.kv_pool``: a policy that sizes each server's KV itself, like
+``kv`` behind a router) goes to that server while it is healthy, and its key is pinned there; it is never moved for
+load (the caller balances).
+
 Invariants: ``in_flight[i]`` is the number of :meth:`route` results for server ``i`` not yet given back with
 :meth:`release`; an unhealthy server is never returned; marking a server unhealthy drops its pins (its keys are
 placed afresh on their next request); :meth:`forget_pins` drops them all. Pins are kept for the ``max_keys`` most
@@ -97,10 +101,14 @@ class AffinityRouter:
         self.moves = 0  # pinned keys moved off an overloaded server (rebalancing)
         self._pins: OrderedDict[str, int] = OrderedDict()
 
-    def route(self, key: str) -> int:
-        """The server for one request with ``key``; counts it in flight until :meth:`release`."""
+    def route(self, key: str, server: int | None = None) -> int:
+        """The server for one request with ``key``; counts it in flight until :meth:`release`. ``server``: the
+        caller's placement (``GenerateRequest.kv_pool``), taken while that server is healthy and pinned for the key
+        (no rebalancing: the caller balances)."""
         index = self._pins.get(key)
-        if index is None or not self.healthy[index]:
+        if server is not None and 0 <= server < len(self.names) and self.healthy[server]:
+            index = server
+        elif index is None or not self.healthy[index]:
             index = self._place(key)
         elif (lightest := self._lighter_by_far(index)) is not None:
             index = lightest
