@@ -439,6 +439,8 @@ class SGLangEngine(Engine):
         lps = [entry[0] for entry in meta.get("output_token_logprobs") or []]
         if not self.incremental_stream:  # cumulative: keep what is new
             ids, lps = ids[len(live.output_ids):], lps[len(live.output_ids):]
+        if live.request.sampling.max_new_tokens == 0 and not ids:
+            lps = []  # prefill only: SGLang at times reports the logprob of a next token it did not sample
         if len(lps) != len(ids):
             raise EngineFailure(f"request {live.request.rid}: SGLang sent {len(ids)} tokens but {len(lps)} "
                                 "logprobs (return_logprob was requested)", partial=live.partial())
