@@ -100,8 +100,6 @@ class KVPolicy(Policy):
         self._held: dict[int | None, list[tuple[int, str]]] = {}
         self._held_at: dict[str, int] = {}
         self._group_pool: dict[str, int] = {}  # group -> the KV pool its members run in (placing)
-        self._moving: dict[str, tuple[int, int]] = {}  # held trajectory -> (the pool with room it goes on in,
-        # its history tokens then): placing
 
     def _pauses(self, view: RolloutView) -> bool:
         """Whether started trajectories are held too (``pause``)."""
@@ -117,27 +115,41 @@ class KVPolicy(Policy):
 
     def _pool_of(self, view: RolloutView, tid: str) -> int | None:
         """The pool ``tid`` runs in (None: not placing): a started one's own, else its group's, else the pool a new
-        group would go to (:meth:`_emptiest_pool`)."""
+        group would go to (:meth:`_least_used_pool`)."""
         if not self._places(view):
             return None
         t = view[tid]
         if t.started and t.kv_pool is not None:
             return t.kv_pool
         pool = self._group_pool.get(t.group_id)
-        return self._emptiest_pool(view) if pool is None else pool
+        if pool is None:  # a new group: the least used pool holding nobody, else the least used
+            pool = self._least_used_pool(view)
+            return pool if pool is not None else min(range(view.kv_pools), key=lambda p: (self._kv(view, p)[1], p))
+        return pool
 
-    def _emptiest_pool(self, view: RolloutView) -> int:
-        """Where a new group goes: the pool with the least KV in use among those holding nobody (O(pools))."""
-        pools = [p for p in range(view.kv_pools) if self._next_held(view, p) is None] or range(view.kv_pools)
-        return min(pools, key=lambda p: (view.pool_active_tokens(p), p))
+    def _least_used_pool(self, view: RolloutView, room_for: int | None = None) -> int | None:
+        """The pool with the least KV in use among those holding nobody and, given ``room_for``, with room for that
+        many tokens beside what is in use there (None: no such pool; O(pools))."""
+        pools = [p for p in range(view.kv_pools) if self._next_held(view, p) is None]
+        if room_for is not None:
+            pools = [p for p in pools if self._kv(view, p)[1] + room_for <= self.fill * self._kv(view, p)[0]]
+        return min(pools, key=lambda p: (self._kv(view, p)[1], p), default=None)
+
+    def _kv(self, view: RolloutView, pool: int | None) -> tuple[float, int, int]:
+        """(size, KV in use, KV decoding now) of ``pool``, in tokens (None: the engine's one pool, or all summed)."""
+        if pool is None:
+            return view.kv_tokens, view.active_tokens, view.generating_tokens
+        return view.kv_tokens / view.kv_pools, view.pool_active_tokens(pool), view.pool_generating_tokens(pool)
 
     def kv_pool(self, view: RolloutView, tid: str) -> int | None:
         """Placing: a group's members all run in the pool its first admitted member went to (they share its prompt
-        in that server's prefix cache)."""
-        moved = self._moving.pop(tid, None)
-        if moved is not None and moved[1] == view[tid].context_tokens:
-            return moved[0]
+        in that server's prefix cache), except a held history that ``may_generate`` let go on in another pool
+        because its own stays full: asked on the same view, the same rule names that pool again."""
         pool = self._pool_of(view, tid)
+        t = view[tid]
+        if (pool is not None and t.started and t.stage is Stage.GATE and self._pauses(view)
+                and not self._fits(view, t.context_tokens, pool)):
+            return self._least_used_pool(view, room_for=t.context_tokens)  # where it fits (see _may_resume)
         if pool is not None:
             if len(self._group_pool) > 2 * len(view.trajectories):  # groups of earlier batches (amortized O(1))
                 live = set(view.group_order)
@@ -172,17 +184,9 @@ class KVPolicy(Policy):
             return False
         if self._fits(view, tokens, pool):
             return True
-        if pool is not None and (other := self._pool_with_room(view, tokens)) is not None:
-            self._moving[tid] = (other, tokens)  # its history is prefilled there again, instead of waiting for its own pool
-            return True
-        return False
-
-    def _pool_with_room(self, view: RolloutView, tokens: int) -> int | None:
-        """The pool with the least KV in use that holds nobody and has room for ``tokens`` beside it (None: none)."""
-        size = self.fill * view.kv_tokens / view.kv_pools
-        pools = [p for p in range(view.kv_pools)
-                 if self._next_held(view, p) is None and view.pool_active_tokens(p) + tokens <= size]
-        return min(pools, key=lambda p: (view.pool_active_tokens(p), p), default=None)
+        # placing: it goes on in a pool with room for it (its history is prefilled there again) instead of waiting
+        # for its own; ``kv_pool`` names that pool by the same rule
+        return pool is not None and self._least_used_pool(view, room_for=tokens) is not None
 
     def _next_held(self, view: RolloutView, pool: int | None) -> str | None:
         """The trajectory held in ``pool`` with the smallest history (None: none), dropping entries of trajectories
@@ -202,13 +206,9 @@ class KVPolicy(Policy):
         """The admission rule: a history of ``tokens`` fits beside the KV in use in ``pool`` (None: the engine's
         one pool, or all of them summed), or that pool has room to spare (the KV decoding now plus it within
         ``idle_fill`` of the pool; a placed pool with nothing decoding takes it whatever its size)."""
-        if pool is None:
-            size, active, generating = view.kv_tokens, view.active_tokens, view.generating_tokens
-        else:
-            size = view.kv_tokens / view.kv_pools
-            active, generating = view.pool_active_tokens(pool), view.pool_generating_tokens(pool)
-            if generating == 0:
-                return True
+        size, active, generating = self._kv(view, pool)
+        if pool is not None and generating == 0:
+            return True
         return active + tokens <= self.fill * size or generating + tokens <= self.idle_fill * size
 
     def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:
@@ -236,12 +236,8 @@ class KVPolicy(Policy):
     def keep_warm(self, view: RolloutView, tid: str) -> float:
         if view.kv_tokens is None:
             return 0.0
-        pool = view[tid].kv_pool if self._places(view) else None
-        if pool is None:
-            overfull = view.active_tokens > self.fill * view.kv_tokens
-        else:
-            overfull = view.pool_active_tokens(pool) > self.fill * view.kv_tokens / view.kv_pools
-        if overfull:
+        size, active, _ = self._kv(view, view[tid].kv_pool if self._places(view) else None)
+        if active > self.fill * size:
             return 0.0  # the KV in use does not fit: pins would crowd out running requests' KV
         latencies, tool = view.tool_latency, view[tid].last_tool
         expected = None

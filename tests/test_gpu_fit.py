@@ -51,7 +51,7 @@ async def test_the_fit_runs_on_the_cpu_and_writes_a_cost_file_the_sim_loads(tmp_
     # iteration of this shape takes ~1.6 ms against the stated 1 ms overhead, and that error fell to 0.46-0.49.)
     def rms(key: str) -> float:
         return float(np.sqrt(np.mean([(p[key] / p["median_s"] - 1) ** 2 for p in report["probes"]])))
-    assert rms("roofline_fitted_s") <= rms("roofline_stated_s") and stated["median_rel_error"] > 0
+    assert rms("roofline_fitted_s") <= rms("roofline_stated_s") and stated["median_rel_error"] > 0.2
     loaded = load_cost_file(fit.save(tmp_path / "cost.json"))
     assert loaded.sizes.max_running == 4 and loaded.fitted_to == "local test-shape on cpu"
 
