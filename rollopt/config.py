@@ -135,6 +135,9 @@ class SGLangEngineConfig:
     """More ``sglang.launch_server`` flags."""
     python: str | None = None
     """The interpreter of the SGLang venv (None: ``.venv-sglang/bin/python`` of the checkout)."""
+    incremental_stream: bool = True
+    """Start the server with ``--incremental-streaming-output`` (chunks hold only new tokens; SGLang's default
+    resends all earlier ones in every chunk: O(n²) work on long answers)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "engine.")

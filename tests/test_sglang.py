@@ -354,21 +354,27 @@ async def test_bad_requests_raise_typed_errors_and_the_server_keeps_serving(sgla
 
 
 async def test_incremental_streaming_server_gives_the_same_chunks_and_result(sglang_server, tiny_dir, tmp_path):
-    """With ``--incremental-streaming-output`` SGLang sends deltas instead of cumulative ``output_ids`` and
-    logprobs; the client reads the flag from /server_info and yields the same tokens."""
+    """A server rollopt starts streams deltas (``--incremental-streaming-output``); SGLang's default resends every
+    earlier token and logprob in each chunk. The client reads the flag from /server_info and yields the same tokens
+    and logprobs from both."""
     request = GenerateRequest("inc", PROMPTS[2], greedy(40))
+    assert "--incremental-streaming-output" in sglang_server.command()
     async with SGLangEngine(sglang_server.base_url) as eng:
-        assert not eng.incremental_stream
-        ref = await eng.generate(request)
-    extra = [*FP32, "--incremental-streaming-output"]
-    async with SGLangServer(tiny_dir, extra_args=extra, log_path=tmp_path / "incremental.log") as server:
-        async with SGLangEngine(server.base_url) as eng:
-            assert eng.incremental_stream
-            chunks = [c async for c in eng.stream(request)]
-    res = chunks[-1].result
-    assert len(chunks) > 1 and sum((c.token_ids for c in chunks), []) == res.output_ids == ref.output_ids
-    assert sum((c.logprobs for c in chunks), []) == res.logprobs
-    assert max(abs(a - b) for a, b in zip(res.logprobs, ref.logprobs)) < 1e-4 and res.versions == [0] * 40
+        assert eng.incremental_stream
+        chunks = [c async for c in eng.stream(request)]
+    cumulative = SGLangServer(tiny_dir, extra_args=FP32, log_path=tmp_path / "cumulative.log", incremental_stream=False)
+    assert "--incremental-streaming-output" not in cumulative.command()
+    async with cumulative:
+        async with SGLangEngine(cumulative.base_url) as eng:
+            assert not eng.incremental_stream
+            ref_chunks = [c async for c in eng.stream(request)]
+    res, ref = chunks[-1].result, ref_chunks[-1].result
+    for stream, result in ((chunks, res), (ref_chunks, ref)):
+        assert len(stream) > 1 and sum((c.token_ids for c in stream), []) == result.output_ids
+        assert sum((c.logprobs for c in stream), []) == result.logprobs
+    assert res.output_ids == ref.output_ids and ref.versions == [0] * 40  # a fresh server
+    assert len(res.versions) == 40 and len(set(res.versions)) == 1  # the session server's version, whatever it is
+    assert max(abs(a - b) for a, b in zip(res.logprobs, ref.logprobs)) < 1e-4
 
 
 async def test_killed_server_gives_engine_failure_and_a_relaunch_resumes_without_loss(sglang_server, tiny_dir,

@@ -110,7 +110,8 @@ async def _open_sglang(config: SGLangEngineConfig, model: Any, context: EngineCo
         log = context.log_dir / "sglang.log" if context.log_dir is not None else None
         context.progress("starting an SGLang server")
         async with SGLangServer(save_hf_dir(model, tmp), extra_args=list(config.args), device=config.device,
-                                python=config.python, log_path=log) as server:
+                                python=config.python, log_path=log,
+                                incremental_stream=config.incremental_stream) as server:
             async with SGLangEngine(server.base_url) as engine:
                 yield engine
 

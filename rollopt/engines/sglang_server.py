@@ -17,6 +17,9 @@ Contract:
   ``sgl_kernel`` stand-in (``rollopt/engines/_sgl_kernel_cpu_standin``) for the server process only.
 * With no ``port`` given it picks a free one below the kernel's ephemeral range (see :func:`free_port`); if the
   server still fails to bind it (the log says so), it is relaunched on a new port, up to ``bind_retries`` times.
+* It streams deltas (``--incremental-streaming-output``) unless ``incremental_stream=False``: SGLang's default
+  resends every earlier token and logprob in each chunk, so a request of n tokens costs the server and the client
+  O(n²) work; on long answers that is time the rollout waits (the client handles both forms).
 * It runs in its own process group (session); stdout and stderr go to a log file (``log_path``).
 * Start-up waits for ``GET /health_generate`` to answer 200; if the process exits first or the timeout passes,
   the process group is stopped and :class:`~rollopt.errors.EngineError` is raised with the tail of the log.
@@ -46,6 +49,7 @@ SGLANG_VERSION = "0.5.23"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STANDIN_PATH = Path(__file__).resolve().parent / "_sgl_kernel_cpu_standin"
 CPU_ARGS = ("--device", "cpu", "--disable-overlap-schedule", "--max-total-tokens", "8192", "--sleep-on-idle")
+INCREMENTAL_STREAM_ARG = "--incremental-streaming-output"
 
 
 def default_sglang_python() -> Path:
@@ -95,12 +99,14 @@ class SGLangServer:
         bind_retries: when ``port`` was left to the launcher and the server fails to bind it, relaunch on a
             new free port up to this many times (a port given explicitly is never changed).
         stop_timeout_s: how long to wait after SIGTERM before SIGKILL.
+        incremental_stream: pass ``--incremental-streaming-output`` (each streamed chunk holds only the new tokens
+            and logprobs; see the module docstring).
     """
 
     def __init__(self, model_dir: str | Path, port: int | None = None, *, python: str | Path | None = None,
                  extra_args: Sequence[str] = (), device: str = "cpu", host: str = "127.0.0.1",
                  log_path: str | Path | None = None, startup_timeout_s: float = 240.0,
-                 stop_timeout_s: float = 15.0, bind_retries: int = 3) -> None:
+                 stop_timeout_s: float = 15.0, bind_retries: int = 3, incremental_stream: bool = True) -> None:
         self.model_dir = Path(model_dir)
         self.host = host
         self.port = port
@@ -109,6 +115,7 @@ class SGLangServer:
         self.python = Path(python) if python is not None else default_sglang_python()
         self.extra_args = list(extra_args)
         self.device = device
+        self.incremental_stream = incremental_stream
         self.log_path = Path(log_path) if log_path is not None else None
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -134,6 +141,8 @@ class SGLangServer:
             args += CPU_ARGS
         else:
             args += ["--device", self.device]
+        if self.incremental_stream and INCREMENTAL_STREAM_ARG not in self.extra_args:
+            args.append(INCREMENTAL_STREAM_ARG)
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
