@@ -151,7 +151,8 @@ def main() -> None:
         sim_engine = engine_config("sim", workload, cost_file=str(cost), max_running=sizes.max_running,
                                    prefill_chunk=sizes.prefill_chunk, block_size=sizes.block_size,
                                    max_context=sizes.max_context, kv_tokens=sizes.kv_tokens,
-                                   defer_shared_prefill=sizes.defer_shared_prefill)
+                                   defer_shared_prefill=sizes.defer_shared_prefill,
+                                   mixed_prefill=sizes.mixed_prefill)
         run = BenchRun(workload, schedulers, repeats=args.repeats)
         walls = {}
         reports = {}

@@ -237,7 +237,7 @@ class SimEngineConfig:
     cost_file: str | None = None
     """A cost file written by ``rollopt calibrate`` (:mod:`rollopt.engines.sim_calibration`): sets ``linear``
     and ``fitted_to``, ``kv_tokens`` unless given, and the calibrated engine's ``max_running``,
-    ``prefill_chunk``, ``block_size``, ``max_context`` and ``defer_shared_prefill`` where these are left at their
+    ``prefill_chunk``, ``block_size``, ``max_context``, ``defer_shared_prefill`` and ``mixed_prefill`` where these are left at their
     defaults, so the sim replays the engine it was fitted to."""
     efficiency: tuple[float, float] = (0.80, 0.90)
     """Roofline (compute, memory) fractions of peak (measured H200 figures, notes/agentic-scale.md)."""
@@ -253,6 +253,11 @@ class SimEngineConfig:
     """Admit a request whose first uncached page another request is prefilling after that prefill (the embedded
     engine; SGLang's cache-aware schedule policies do alike); False: prefill it again in the same batch (SGLang
     0.5.23's default ``--schedule-policy fcfs``)."""
+    mixed_prefill: bool = True
+    """An iteration decodes every running request and prefills up to ``prefill_chunk`` tokens besides (a mixed
+    batch: the embedded engine, SGLang with ``--enable-mixed-chunk``); False: an iteration with prefill work does
+    only that, and the running requests decode in the next iteration without new prefill (SGLang 0.5.23's
+    default: "run prefill first if possible")."""
     filler_token: int | None = None
     """Token the default script emits (max_new_tokens of them: every request writes the same text, so histories
     share KV as no sampled model's do); None: ids of ``rollopt.engines.sim.sampled_text``, distinct per request."""
@@ -309,7 +314,8 @@ class SimEngineConfig:
         if self.kv_tokens is None:
             values["kv_tokens"] = loaded.sizes.kv_tokens
         for f in dataclasses.fields(self):
-            if f.name in ("max_running", "prefill_chunk", "block_size", "max_context", "defer_shared_prefill") and \
+            if f.name in ("max_running", "prefill_chunk", "block_size", "max_context", "defer_shared_prefill",
+                          "mixed_prefill") and \
                     getattr(self, f.name) == f.default:
                 values[f.name] = getattr(loaded.sizes, f.name)
         for name, value in values.items():

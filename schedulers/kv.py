@@ -64,6 +64,9 @@ again. It is admission alone: without pins 819.5 s, without the started-first pr
 admitting on decoding KV alone (``idle_fill`` = 1) 742.0 s — a tie there, and a thrash on the software-engineering
 agent (above). Telling the two apart needs what the policy does not see: the engine's prefill cost per token
 against its weight-read cost per iteration (both workloads recompute little once held back).
+On the real SGLang CPU server under KV pressure (64 software-engineering agents scaled to ~3.2k-token histories, an
+8,192-token pool) it is 3% slower than ``async`` with 43% less prefill: that server's prefill is cheap against the
+concurrency held programs give up (README).
 
 Risk class R1: only when requests start and what stays cached change; a request's tokens do not depend on
 either (batch-invariant engine; ``rollopt validate`` checks greedy token parity).

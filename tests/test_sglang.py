@@ -514,6 +514,7 @@ async def test_calibrate_reads_the_servers_sizes_and_fits_its_probes(sglang_serv
         assert (await eng.info()).kv_tokens == sizes.kv_tokens  # what `kv` admits by on this server
         assert (await eng._get_server_info())["schedule_policy"] == "fcfs"  # SGLang's default, reported
         assert sizes.defer_shared_prefill is False  # fcfs prefills a prompt shared by requests that come together
+        assert sizes.mixed_prefill is False  # no --enable-mixed-chunk: a prefill batch runs alone, decode waits
         probes = [Probe(b, p, n) for b in (1, 4) for p in (16, 48) for n in (4, 12)]
         fit = await calibrate(eng, sizes, "sglang tiny", probes=probes, repeats=1)
     assert min(fit.cost.coefficients) >= 0

@@ -51,7 +51,8 @@ def test_rollopt_calibrate_writes_a_cost_file_that_the_sim_replays(tmp_path, cap
     assert min(data["coefficients"].values()) >= 0 and data["coefficients"]["fixed_s"] > 0
     assert data["engine"] == {"max_running": 64, "prefill_chunk": 512, "block_size": 16, "max_context": 4096,
                               "kv_tokens": 65536 + 64 * 4096,  # the bench's embedded engine: cache + slots
-                              "defer_shared_prefill": True}  # it holds a sibling while its shared prompt prefills
+                              "defer_shared_prefill": True,  # it holds a sibling while its shared prompt prefills
+                              "mixed_prefill": True}  # a tick prefills and decodes
     assert [(p["batch"], p["prompt_tokens"], p["new_tokens"]) for p in data["probes"]] == [
         (p.batch, p.prompt_tokens, p.new_tokens) for p in DEFAULT_PROBES]
     assert all(len(p["measured_s"]) == 1 and p["measured_s"][0] > 0 for p in data["probes"])

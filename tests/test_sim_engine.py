@@ -383,6 +383,28 @@ def test_virtual_makespan_of_a_tiny_workload_equals_the_hand_computed_cost():
     run(main)
 
 
+def test_without_mixed_batches_a_prefill_runs_alone_and_the_decode_batch_waits_for_it():
+    """SGLang's default (no ``--enable-mixed-chunk``): "run prefill first if possible". The workload above, with
+    ``mixed_prefill=False``: it3 prefills b[6:10] alone (a does not decode), then a and b decode together.
+    it3 → 0.01 + 0.004; it4 decode a (11), b (11) → 0.01 + 2 × 0.002 + 22 × 0.0001; it5 (12, 12) → … + 0.0024."""
+    expected = 0.018 + 0.018 + 0.014 + 0.0162 + 0.0164
+
+    async def main():
+        async with sim(prefill_chunk=8, block_size=4, record=True, mixed_prefill=False) as engine:
+            await engine.pause("in_place")
+            async with anyio.create_task_group() as tg:
+                for rid in "ab":
+                    tg.start_soon(engine.generate, req(rid, [ord(rid)] * 10, 3))
+                    await anyio.sleep(1)
+                t0 = anyio.current_time()
+                await engine.resume()
+            assert anyio.current_time() - t0 == pytest.approx(expected)
+            assert [(f.prefill_tokens, f.decode_seqs, f.decode_kv_read) for _, f, _ in engine.iterations] == [
+                (8, 0, 0), (8, 0, 0), (4, 0, 0), (0, 2, 22), (0, 2, 24)]
+
+    run(main)
+
+
 def test_requests_of_one_instant_are_planned_together_whatever_order_their_tasks_ran_in():
     """The host works in zero virtual time: requests submitted at one instant are planned together even when the
     engine's loop task runs between the submissions (as trio's scheduler may order it), and they queue in rid

@@ -639,7 +639,10 @@ class SGLangEngine(Engine):
         return {"max_running": size("effective_max_running_requests_per_dp", "max_running_requests"),
                 "prefill_chunk": chunk,
                 "block_size": size("page_size"), "max_context": self.max_context, "kv_tokens": kv_tokens,
-                "defer_shared_prefill": policy in ("lpm", "dfs-weight", "hrrn", "shortest-prefill-first")}
+                "defer_shared_prefill": policy in ("lpm", "dfs-weight", "hrrn", "shortest-prefill-first"),
+                # without --enable-mixed-chunk the scheduler runs a prefill batch alone whenever it has one
+                # ("run prefill first if possible", scheduler.get_next_batch_to_run), decode only otherwise
+                "mixed_prefill": bool(info.get("enable_mixed_chunk", False))}
 
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_path, vocab_size=int(self.vocab_size or 0), max_context=self.max_context,

@@ -26,7 +26,9 @@ Mechanics (as SGLang 0.5.23 does them, simplified):
   prefilling request is computing waits until that prefill is done, so a GRPO group computes its prompt once
   (the embedded engine's rule).
 * **An iteration**: the decode batch (one token per running request) plus up to ``prefill_chunk`` prompt
-  tokens of admitted requests (a mixed batch); a request whose prefill completes samples its first token.
+  tokens of admitted requests (a mixed batch); a request whose prefill completes samples its first token. With
+  ``mixed_prefill=False`` (SGLang's default, no ``--enable-mixed-chunk``) an iteration with prefill work does only
+  that, and the running requests wait for the next one ("run prefill first if possible").
 * **Retraction**: when the decode step needs more pages than are free or evictable, running requests are
   retracted lowest priority first, then fewest output tokens, then longest prompt (SGLang's order), keeping at
   least one; a retracted request frees its private pages (not inserted, as SGLang), re-queues, and re-prefills
@@ -240,7 +242,8 @@ class SimEngine(CommandLoopEngine):
         """One line for outputs: the cost model (a roofline says it is a projection) and the sizes."""
         c = self.config
         return (f"sim engine, {self.cost.name}: KV {self.kv_tokens} tokens in pages of {c.block_size}, "
-                f"max_running {c.max_running}, prefill_chunk {c.prefill_chunk}, virtual clock")
+                f"max_running {c.max_running}, prefill_chunk {c.prefill_chunk}"
+                f"{'' if c.mixed_prefill else ' (prefill runs alone)'}, virtual clock")
 
     def check_invariants(self) -> None:
         """Recount the KV pool's books from scratch and compare (for tests; O(pages))."""
@@ -415,8 +418,12 @@ class SimEngine(CommandLoopEngine):
         """Plan one iteration and apply its effects on the state (tokens are sent after its virtual time)."""
         self._running = [r for r in self._running if r.state is _State.PREFILL or r.state is _State.DECODE]
         self._expire_pins(now)
-        rows = self._decode_rows()
-        self._admit()
+        if self.config.mixed_prefill:
+            rows = self._decode_rows()
+            self._admit()
+        else:  # SGLang's default: a prefill batch runs alone whenever there is one, the decode batch otherwise
+            self._admit()
+            rows = [] if any(r.state is _State.PREFILL for r in self._running) else self._decode_rows()
         budget, f_prefill, f_seqs, f_attn, f_ctx, logit_rows = self.config.prefill_chunk, 0, 0, 0, 0, 0
         sent: list[_Req] = []
         for r in self._running:
@@ -442,6 +449,8 @@ class SimEngine(CommandLoopEngine):
                 else:  # max_new_tokens == 0 (prefill only) or an empty script
                     r.finish = r.end
                     sent.append(r)
+        if not rows and not f_prefill and not sent and not self.config.mixed_prefill:
+            rows = self._decode_rows()  # no page for any prefill now: decode (and free pages) instead of idling
         self.stats.prefill_tokens += f_prefill
         kv_read, version = 0, self.version
         for r in rows:  # the hot loop: one decode step of every running request, inlined ``_sample``

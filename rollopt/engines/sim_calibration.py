@@ -80,6 +80,9 @@ class EngineSizes:
     """Whether a request waits while another prefills its first uncached page (the embedded engine; SGLang's
     cache-aware schedule policies deprioritize such requests), or prefills it again in the same batch (SGLang's
     default ``fcfs``: a GRPO group arriving at once computes its prompt once per member)."""
+    mixed_prefill: bool = True
+    """Whether an iteration decodes the running requests beside its prefill chunk (the embedded engine), or runs
+    prefill alone first (SGLang's default, without ``--enable-mixed-chunk``)."""
 
     @classmethod
     def of(cls, config: Any) -> "EngineSizes":
@@ -88,11 +91,12 @@ class EngineSizes:
         if getattr(config, "kind", None) == "local":
             kv = config.prefix_cache_tokens + config.max_running * config.max_context
             return cls(config.max_running, config.prefill_chunk, config.block_size, config.max_context, kv,
-                       config.defer_shared_prefill)
+                       config.defer_shared_prefill)  # its tick prefills and decodes: mixed
         try:
             return cls(*(getattr(config, f) for f in ("max_running", "prefill_chunk", "block_size", "max_context",
                                                       "kv_tokens")),
-                       defer_shared_prefill=getattr(config, "defer_shared_prefill", True))
+                       defer_shared_prefill=getattr(config, "defer_shared_prefill", True),
+                       mixed_prefill=getattr(config, "mixed_prefill", True))
         except AttributeError as missing:
             raise ConfigError(f"cannot calibrate engine {getattr(config, 'kind', config)!r}: its configuration "
                               f"does not give its sizes ({missing})") from None
@@ -164,11 +168,12 @@ def load_cost_file(path: str | Path) -> CostFile:
         linear = tuple(float(c[k] if i < 4 else c.get(k, 0.0)) for i, k in enumerate(COEFFICIENTS))  # 2 optional
         sizes = EngineSizes(*(int(e[k]) for k in ("max_running", "prefill_chunk", "block_size", "max_context",
                                                   "kv_tokens")),
-                            defer_shared_prefill=bool(e.get("defer_shared_prefill", True)))  # older files: True
+                            defer_shared_prefill=bool(e.get("defer_shared_prefill", True)),  # older files: True
+                            mixed_prefill=bool(e.get("mixed_prefill", True)))
         fitted_to = str(data["fitted_to"])
     except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(f"{where} lacks or mangles {error}; {WRITE_ONE}") from None
-    if min(linear) < 0 or min(v for k, v in asdict(sizes).items() if k != "defer_shared_prefill") < 1:
+    if min(linear) < 0 or min(v for k, v in asdict(sizes).items() if not isinstance(v, bool)) < 1:
         raise ConfigError(f"{where} holds a negative coefficient or a size below 1; {WRITE_ONE}")
     return CostFile(linear, fitted_to, sizes)  # type: ignore[arg-type]
 
@@ -197,7 +202,7 @@ async def simulated_iterations(probe: Probe, sizes: EngineSizes, vocab_size: int
 
     config = SimEngineConfig(kv_tokens=sizes.kv_tokens, max_running=sizes.max_running,
                              prefill_chunk=sizes.prefill_chunk, block_size=sizes.block_size,
-                             max_context=sizes.max_context)
+                             max_context=sizes.max_context, mixed_prefill=sizes.mixed_prefill)
     async with SimEngine(LinearCost(0.0, 0.0, 0.0, 0.0), sizes.kv_tokens, config, vocab_size=vocab_size,
                          record=True) as sim:
         await _run_together(sim, _requests(probe, vocab_size, "plan", np.random.default_rng(0)))
