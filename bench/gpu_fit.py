@@ -38,7 +38,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from rollopt.config import LocalEngineConfig
 from rollopt.engines import build_engine
-from rollopt.engines.sim_calibration import DEFAULT_PROBES, EngineSizes, Probe, calibrate, simulated_iterations
+from rollopt.engines.sim_calibration import DEFAULT_PROBES, EngineSizes, Probe, calibrate, planned_iterations
 from rollopt.engines.sim_cost import (DEFAULT_EFFICIENCY, OVERHEAD_S, HARDWARE, Hardware, IterationFeatures,
                                       ModelShape, RooflineCost, hardware, model_shape)
 from rollopt.errors import ConfigError
@@ -123,7 +123,8 @@ async def measure(shape: ModelShape, hw: Hardware, device: str, repeats: int, pr
     async with build_engine(config, model) as engine:
         fit = await calibrate(engine, sizes, f"local {shape.name} on {device}", probes=probes, repeats=repeats,
                               progress=progress)
-    plans = [await simulated_iterations(p.probe, sizes, shape.vocab) for p in fit.probes]
+    planned = await anyio.to_thread.run_sync(planned_iterations, [p.probe for p in fit.probes], sizes, shape.vocab)
+    plans = [planned[p.probe] for p in fit.probes]
     measured = np.array([p.median_s for p in fit.probes])
     stated = roofline_s(plans, hw, shape, *DEFAULT_EFFICIENCY, OVERHEAD_S)
     fitted_params = fit_roofline(plans, measured, hw, shape)

@@ -195,18 +195,35 @@ async def _run_together(engine: Engine, requests: Sequence[GenerateRequest]) -> 
     return anyio.current_time() - started
 
 
+def _sim_config(sizes: EngineSizes) -> Any:
+    from rollopt.config import SimEngineConfig
+
+    return SimEngineConfig(kv_tokens=sizes.kv_tokens, max_running=sizes.max_running, prefill_chunk=sizes.prefill_chunk,
+                           block_size=sizes.block_size, max_context=sizes.max_context,
+                           mixed_prefill=sizes.mixed_prefill)
+
+
 async def simulated_iterations(probe: Probe, sizes: EngineSizes, vocab_size: int) -> list[IterationFeatures]:
     """The iterations the simulated engine with ``sizes`` plans for ``probe`` (see the module docstring)."""
-    from rollopt.config import SimEngineConfig
     from rollopt.engines.sim import SimEngine
 
-    config = SimEngineConfig(kv_tokens=sizes.kv_tokens, max_running=sizes.max_running,
-                             prefill_chunk=sizes.prefill_chunk, block_size=sizes.block_size,
-                             max_context=sizes.max_context, mixed_prefill=sizes.mixed_prefill)
-    async with SimEngine(LinearCost(0.0, 0.0, 0.0, 0.0), sizes.kv_tokens, config, vocab_size=vocab_size,
+    async with SimEngine(LinearCost(0.0, 0.0, 0.0, 0.0), sizes.kv_tokens, _sim_config(sizes), vocab_size=vocab_size,
                          record=True) as sim:
         await _run_together(sim, _requests(probe, vocab_size, "plan", np.random.default_rng(0)))
         return [features for _, features, _ in sim.iterations]
+
+
+def planned_iterations(probes: Sequence[Probe], sizes: EngineSizes, vocab_size: int) -> dict[Probe, list[IterationFeatures]]:
+    """:func:`simulated_iterations` of every probe, in an event loop of their own on the virtual clock (call it from
+    a worker thread when a loop is running: ``anyio.to_thread.run_sync``). Before each iteration the sim waits
+    until every task is blocked, which trio's clock sees at once and asyncio can only poll (anyio sleeps 0.1 s
+    per poll): planned on the caller's asyncio loop, the 24 default probes took minutes of wall time."""
+    from rollopt.engines import run
+
+    async def plan_all() -> dict[Probe, list[IterationFeatures]]:
+        return {p: await simulated_iterations(p, sizes, vocab_size) for p in probes}
+
+    return run(plan_all, _sim_config(sizes))
 
 
 async def calibrate(engine: Engine, sizes: EngineSizes, fitted_to: str, *, probes: Sequence[Probe] = DEFAULT_PROBES,
@@ -228,7 +245,7 @@ async def calibrate(engine: Engine, sizes: EngineSizes, fitted_to: str, *, probe
             measured[probe].append(await _run_together(engine, _requests(probe, vocab, f"cal.{rep}.{i}", rng)))
         await engine.flush_cache()
         progress(f"calibration round {rep + 1}/{repeats} done")
-    plans = {p: await simulated_iterations(p, sizes, vocab) for p in probes}
+    plans = await anyio.to_thread.run_sync(planned_iterations, probes, sizes, vocab)
     cost = LinearCost.fit([(plans[p], statistics.median(measured[p])) for p in probes], fitted_to)
     results = tuple(ProbeResult(p, tuple(measured[p]), len(plans[p]), sum(map(cost.seconds, plans[p])))
                     for p in probes)
@@ -268,4 +285,5 @@ async def calibrate_engine(config: Any, model_spec: str = "tiny", *, repeats: in
 
 
 __all__ = ["COST_FILE_FORMAT", "DEFAULT_PROBES", "CostFile", "CostFit", "EngineSizes", "Probe", "ProbeResult",
-           "calibrate", "calibrate_engine", "engine_sizes", "load_cost_file", "simulated_iterations"]
+           "calibrate", "calibrate_engine", "engine_sizes", "load_cost_file", "planned_iterations",
+           "simulated_iterations"]
