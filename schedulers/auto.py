@@ -10,8 +10,8 @@ fastest policy measured — 1.93× at 1,024 trajectories on one server, 1.62× a
 pools summed, 1.38× without pausing), 1.36× at 2,048 on 8 servers (a tie without either) — on the search-agent and
 single-turn reasoning workloads and on every embedded-engine workload it ties with ``async`` (reasoning at 4,096 on
 8 servers: 1.06×), and on the tool-chain-bound ``code-tool`` workload on one server it is 9% slower than ``async``
-(see ``kv``: where it loses); on the real SGLang CPU server under KV pressure (64 agents, 8,192-token pool) it is
-6% slower than ``async`` (README).
+(see ``kv``: where it loses); on the real engines under KV pressure (64 agents, an 8,192-token pool) it ties with
+``async`` (README; 6% slower on SGLang before ``kv``'s floor under the decode batch).
 
 Risk class R1: both parts are R1.
 """

@@ -22,6 +22,15 @@ calls) do, driven by what the rollout graph knows:
   pool only by what admitted trajectories add turn by turn, and LRU then evicts the one whose tool has run
   longest (with heavy-tailed tool latencies, the one least likely to return soon). When nothing is in the
   engine, the next one is admitted whatever its size, so a history larger than the pool still runs.
+* **A floor under the decode batch** (``min_decoding``, 16): on one server, while fewer than that many requests
+  decode, the next program is admitted whatever the KV in use. Holding programs back shrinks the decode batch, and
+  below a few rows an iteration's fixed cost (the weights read, the step launched) is spread over too few tokens:
+  that costs more than the recompute held back saves where the pool holds only a few histories. On the real
+  SGLang CPU server under KV pressure (64 software-engineering agents, ~3.2k-token histories, an 8,192-token pool)
+  ``kv`` went from 0.97× of ``async`` [0.94–0.98] to 1.00× [0.97–1.03] (the sim fitted to that server: 0.91× to
+  0.99×); on the embedded engine it is a tie too (1.00× [0.90–1.03]; 1.03× without, on 2026-12-06); the
+  simulated workloads at 1,024 on one H200 keep their figures to the digit (their pools hold dozens of histories,
+  so the floor never binds). Behind a router, where each pool is sized alone, it does not apply.
 * **Pausing started programs** (``pause``; ThunderAgent's program scheduler, arXiv 2602.13692): a started
   trajectory back from its tools is held at its gate unless its history passes the same admission rule; the held
   ones go on smallest history first (``resume_candidates`` names only that one per pool, so a change re-checks
@@ -65,8 +74,8 @@ admitting on decoding KV alone (``idle_fill`` = 1) 742.0 s — a tie there, and 
 agent (above). Telling the two apart needs what the policy does not see: the engine's prefill cost per token
 against its weight-read cost per iteration (both workloads recompute little once held back).
 On the real SGLang CPU server under KV pressure (64 software-engineering agents scaled to ~3.2k-token histories, an
-8,192-token pool) it is 3% slower than ``async`` with 43% less prefill: that server's prefill is cheap against the
-concurrency held programs give up (README).
+8,192-token pool) it was 3% slower than ``async`` with 43% less prefill until the floor under the decode batch
+(above): that pool holds ~2.5 histories, so holding back left decode batches of a few rows.
 
 Risk class R1: only when requests start and what stays cached change; a request's tokens do not depend on
 either (batch-invariant engine; ``rollopt validate`` checks greedy token parity).
@@ -87,7 +96,7 @@ class KVPolicy(Policy):
 
     def __init__(self, fill: float = 1.0, quantile: float = 0.9, margin: float = 1.25, prior_s: float = 5.0,
                  max_pin_s: float = 60.0, idle_fill: float = 0.5, pause: str = "pooled",
-                 place: bool = True) -> None:
+                 place: bool = True, min_decoding: int = 16) -> None:
         if not 0 < fill <= 2:
             raise ValueError(f"fill must be in (0, 2], got {fill}")
         if not 0 <= idle_fill <= fill:
@@ -97,7 +106,9 @@ class KVPolicy(Policy):
         if not 0 < quantile <= 1 or margin <= 0 or prior_s < 0 or max_pin_s < 0:
             raise ValueError("quantile in (0, 1], margin > 0, prior_s >= 0, max_pin_s >= 0")
         self.fill, self.quantile, self.margin, self.prior_s, self.max_pin_s = fill, quantile, margin, prior_s, max_pin_s
-        self.idle_fill, self.pause, self.place = idle_fill, pause, place
+        if min_decoding < 0:
+            raise ValueError(f"min_decoding must be >= 0, got {min_decoding}")
+        self.idle_fill, self.pause, self.place, self.min_decoding = idle_fill, pause, place, min_decoding
         # started trajectories held at their gate, per KV pool (None: the one pool it sizes by): heaps of
         # (history tokens, id); ``_held_at``: id -> the history tokens of its entry
         self._held: dict[int | None, list[tuple[int, str]]] = {}
@@ -208,10 +219,13 @@ class KVPolicy(Policy):
     def _fits(self, view: RolloutView, tokens: int, pool: int | None) -> bool:
         """The admission rule: a history of ``tokens`` fits beside the KV in use in ``pool`` (None: the engine's
         one pool, or all of them summed), or that pool has room to spare (the KV decoding now plus it within
-        ``idle_fill`` of the pool; a placed pool with nothing decoding takes it whatever its size)."""
+        ``idle_fill`` of the pool; a placed pool with nothing decoding takes it whatever its size; one server's
+        pool while fewer than ``min_decoding`` requests decode)."""
         size, active, generating = self._kv(view, pool)
         if pool is not None and generating == 0:
             return True
+        if view.kv_pools == 1 and view.generating < self.min_decoding:
+            return True  # a decode batch this small costs more in iterations than the recompute it would save
         return active + tokens <= self.fill * size or generating + tokens <= self.idle_fill * size
 
     def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:

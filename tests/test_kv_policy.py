@@ -34,7 +34,7 @@ def busy(n: int, context: int) -> list[TrajectoryView]:
 
 
 def test_admission_holds_a_new_trajectory_while_the_kv_in_use_and_its_prompt_exceed_the_pool():
-    policy = KVPolicy(fill=0.8)
+    policy = KVPolicy(min_decoding=0, fill=0.8)
     new = entry("n", Stage.GATE, 1_000, turn=0)
     assert not new.started
     assert not policy.may_generate(view(*busy(4, 1_800), new), "n")  # 7,200 + 1,000 > 8,000
@@ -49,7 +49,7 @@ def test_admission_holds_a_new_trajectory_while_the_kv_in_use_and_its_prompt_exc
 def test_the_kv_in_use_counts_decoding_and_tool_waiting_histories_only():
     """A history whose tool runs is in use (its next turn wants it back); one done, preempted or held at its gate
     is not."""
-    policy = KVPolicy(fill=1.0, idle_fill=0.0)
+    policy = KVPolicy(min_decoding=0, fill=1.0, idle_fill=0.0)
     new = entry("n", Stage.GATE, 1_000, turn=0)
     tools = [entry(f"t{i}", Stage.TOOLS, 2_100) for i in range(4)]
     assert view(*busy(1, 1_000), *tools).active_tokens == 9_400
@@ -66,12 +66,27 @@ def test_while_the_kv_decoding_now_leaves_the_pool_half_free_a_new_trajectory_go
     tools = [entry(f"t{i}", Stage.TOOLS, 2_000) for i in range(5)]
     assert view(*busy(2, 1_500), *tools).generating_tokens == 3_000
     assert view(*busy(2, 1_500), *tools).active_tokens == 13_000
-    assert KVPolicy().may_generate(view(*busy(2, 1_500), *tools, new), "n")  # 3,000 + 1,000 <= 5,000
-    assert not KVPolicy().may_generate(view(*busy(3, 1_500), *tools, new), "n")  # 4,500 + 1,000 > 5,000
-    assert not KVPolicy(idle_fill=0.0).may_generate(view(*busy(2, 1_500), *tools, new), "n")
-    assert KVPolicy(idle_fill=1.0).may_generate(view(*busy(5, 1_500), *tools, new), "n")  # 8,500 fits 10,000
+    assert KVPolicy(min_decoding=0).may_generate(view(*busy(2, 1_500), *tools, new), "n")  # 3,000 + 1,000 <= 5,000
+    assert not KVPolicy(min_decoding=0).may_generate(view(*busy(3, 1_500), *tools, new), "n")  # 4,500 + 1,000 > 5,000
+    assert not KVPolicy(min_decoding=0, idle_fill=0.0).may_generate(view(*busy(2, 1_500), *tools, new), "n")
+    assert KVPolicy(min_decoding=0, idle_fill=1.0).may_generate(view(*busy(5, 1_500), *tools, new), "n")  # 8,500 fits 10,000
     with pytest.raises(ValueError, match="idle_fill"):
         KVPolicy(fill=0.5, idle_fill=0.8)
+
+
+def test_while_fewer_than_min_decoding_requests_decode_a_new_trajectory_goes_whatever_the_kv_in_use():
+    """Holding programs back shrinks the decode batch; below ``min_decoding`` rows an iteration's fixed cost (the
+    weights read, the step launched) is spread over too few rows, and that costs more than the recompute held back
+    saves (the real SGLang CPU server under KV pressure: ``kv`` 0.97× of ``async`` without this floor). Behind a
+    router, where each pool is sized alone, the floor does not apply."""
+    new = entry("n", Stage.GATE, 1_000, turn=0)
+    tools = [entry(f"t{i}", Stage.TOOLS, 2_000) for i in range(5)]
+    crowded = view(*busy(15, 100), *tools, new)  # 11,500 in use + 1,000 > 10,000; 1,500 decoding
+    assert crowded.generating == 15 and crowded.active_tokens + 1_000 > KV
+    assert KVPolicy(idle_fill=0.0).may_generate(crowded, "n")  # 15 rows < 16: admitted
+    assert not KVPolicy(idle_fill=0.0, min_decoding=15).may_generate(crowded, "n")
+    full = view(*busy(16, 100), *tools, new)
+    assert not KVPolicy(idle_fill=0.0).may_generate(full, "n")  # 16 rows decode: the KV rule decides
 
 
 def test_pins_last_the_learned_latency_of_the_tool_just_called_and_never_under_pressure():
@@ -79,7 +94,7 @@ def test_pins_last_the_learned_latency_of_the_tool_just_called_and_never_under_p
     for seconds in (1.0, 2.0, 3.0, 4.0, 100.0):
         latencies.record("bash", seconds)
     latencies.record("edit", 0.5)
-    policy = KVPolicy(quantile=0.5, margin=2.0, prior_s=5.0, max_pin_s=60.0)
+    policy = KVPolicy(min_decoding=0, quantile=0.5, margin=2.0, prior_s=5.0, max_pin_s=60.0)
     calm = [entry("a", Stage.GENERATE, 1_000, tool="edit"), entry("b", Stage.GENERATE, 1_000, tool="bash"),
             entry("c", Stage.GENERATE, 1_000), entry("d", Stage.GENERATE, 1_000, tool="grep")]
     v = view(*calm, latencies=latencies)
@@ -87,7 +102,7 @@ def test_pins_last_the_learned_latency_of_the_tool_just_called_and_never_under_p
     assert policy.keep_warm(v, "b") == pytest.approx(6.0)  # median of bash's five x 2
     assert policy.keep_warm(v, "c") == pytest.approx(latencies.quantile(0.5) * 2)  # no tool yet: all tools'
     assert policy.keep_warm(view(*calm), "c") == pytest.approx(10.0)  # nothing learned: the prior x 2
-    assert KVPolicy(quantile=1.0).keep_warm(v, "b") == 0.0  # 125 s > max_pin_s: let it go, recompute
+    assert KVPolicy(min_decoding=0, quantile=1.0).keep_warm(v, "b") == 0.0  # 125 s > max_pin_s: let it go, recompute
     pressed = view(*busy(11, 1_000), latencies=latencies)  # 11,000 > 10,000: pins would crowd out
     assert policy.keep_warm(pressed, "b0") == 0.0
     assert policy.keep_warm(view(*calm, kv=None, latencies=latencies), "b") == 0.0
@@ -103,7 +118,7 @@ def test_tool_latencies_keep_a_window_per_tool():
 
 
 @pytest.mark.parametrize("kwargs", [{"fill": 0}, {"fill": 2.5}, {"quantile": 0},
-                                    {"margin": 0}, {"max_pin_s": -1}])
+                                    {"margin": 0}, {"max_pin_s": -1}, {"min_decoding": -1}])
 def test_bad_options_are_refused(kwargs):
     with pytest.raises(ValueError):
         KVPolicy(**kwargs)
@@ -155,7 +170,7 @@ def test_first_waiting_follows_batch_order_as_trajectories_start():
     assert v.first_waiting == "b"
     v = v.with_entry(entry("b", Stage.GENERATE, 10, turn=0), 2.0)
     assert v.first_waiting is None and v.generating == 3
-    assert not KVPolicy().may_generate(view(*busy(2, 100), *entries[1:]), "c")  # b is first in line
+    assert not KVPolicy(min_decoding=0).may_generate(view(*busy(2, 100), *entries[1:]), "c")  # b is first in line
 
 
 def test_a_change_before_the_first_waiting_trajectory_scans_nothing(monkeypatch):
@@ -225,12 +240,12 @@ def test_a_state_change_re_checks_one_waiting_trajectory_not_every_one():
 def test_pause_holds_a_history_that_does_not_fit_and_resumes_the_smallest_first():
     """ThunderAgent's pause: a started trajectory back from its tools whose history no longer fits waits at its gate;
     the held ones go on smallest history first, and no new program starts while any is held."""
-    policy = KVPolicy(idle_fill=0.0, pause="always")
+    policy = KVPolicy(min_decoding=0, idle_fill=0.0, pause="always")
     decoding = busy(2, 3_000)  # 6,000 of 10,000 in use
     big, small = entry("big", Stage.GATE, 5_000, turn=3), entry("small", Stage.GATE, 4_500, turn=2)
     new = entry("n", Stage.GATE, 100, turn=0)
     v = view(*decoding, big, small, new)
-    assert KVPolicy(idle_fill=0.0, pause="never").may_generate(v, "big")  # without pausing: started ones go
+    assert KVPolicy(min_decoding=0, idle_fill=0.0, pause="never").may_generate(v, "big")  # without pausing: started ones go
     assert not policy.may_generate(v, "big")  # 6,000 + 5,000 > 10,000: held
     assert not policy.may_generate(v, "small")  # 6,000 + 4,500 > 10,000: held, and now first in line
     assert list(policy.resume_candidates(v, ["big", "small"])) == ["small"]
@@ -246,7 +261,7 @@ def test_pause_holds_a_history_that_does_not_fit_and_resumes_the_smallest_first(
 
 
 def test_pause_lets_everything_go_when_the_engine_is_empty_or_reports_no_kv():
-    policy = KVPolicy(idle_fill=0.0, pause="always")
+    policy = KVPolicy(min_decoding=0, idle_fill=0.0, pause="always")
     huge = entry("h", Stage.GATE, 50_000, turn=4)
     assert policy.may_generate(view(huge, entry("d", Stage.DONE, 10)), "h")  # nothing decoding: a history > pool runs
     assert policy.may_generate(view(*busy(2, 3_000), huge, kv=None), "h")
@@ -259,10 +274,10 @@ def test_pause_by_default_only_where_the_kv_is_pooled_across_servers():
     programs are held too (here with the pools summed, ``place=False``: the sum hides one server overflowing)."""
     decoding, back = busy(2, 3_000), entry("back", Stage.GATE, 5_000, turn=3)
     one, pooled = view(*decoding, back), RolloutView((*decoding, back), kv_tokens=KV, kv_pools=8)
-    assert KVPolicy(idle_fill=0.0).may_generate(one, "back")
-    assert not KVPolicy(idle_fill=0.0, place=False).may_generate(pooled, "back")
-    assert not KVPolicy(idle_fill=0.0, pause="always").may_generate(one, "back")
-    assert KVPolicy(idle_fill=0.0, pause="never", place=False).may_generate(pooled, "back")
+    assert KVPolicy(min_decoding=0, idle_fill=0.0).may_generate(one, "back")
+    assert not KVPolicy(min_decoding=0, idle_fill=0.0, place=False).may_generate(pooled, "back")
+    assert not KVPolicy(min_decoding=0, idle_fill=0.0, pause="always").may_generate(one, "back")
+    assert KVPolicy(min_decoding=0, idle_fill=0.0, pause="never", place=False).may_generate(pooled, "back")
     assert pooled.with_entry(entry("b0", Stage.TOOLS, 3_000), 1.0).kv_pools == 8
     auto = build_scheduler("auto", place=False)  # overlap+kv: the composite asks kv which held trajectory may go
     assert not auto.may_generate(pooled, "back") and list(auto.resume_candidates(pooled, ["back", "x"])) == ["back"]
@@ -278,14 +293,14 @@ def test_behind_a_router_kv_places_each_group_in_a_pool_and_sizes_every_pool_alo
     """Two pools of 10,000 tokens: a history back from its tools is held while *its* pool is full, though the two
     pools summed have room; a new group goes to the pool with the least KV in use that holds nobody, its siblings
     follow it (their prompt is in that server's cache); a held history moves to a pool that has room for it."""
-    policy = KVPolicy(idle_fill=0.0)
+    policy = KVPolicy(min_decoding=0, idle_fill=0.0)
     full = [placed(f"a{i}", "a", Stage.GENERATE, 3_000, pool=0) for i in range(3)]  # pool 0: 9,000 in use
     other = placed("b0", "b", Stage.TOOLS, 8_500, pool=1)  # pool 1: 8,500
     back = placed("back", "a", Stage.GATE, 2_000, pool=0, turn=3)
     new, sibling = placed("n0", "n", Stage.GATE, 500, None, turn=0), placed("n1", "n", Stage.GATE, 500, None, turn=0)
     v = RolloutView((*full, other, back, new, sibling), kv_tokens=2 * KV, kv_pools=2)
     assert (v.pool_active_tokens(0), v.pool_active_tokens(1), v.active_tokens) == (9_000, 8_500, 17_500)
-    assert KVPolicy(idle_fill=0.0, place=False).may_generate(v, "back")  # summed: 17,500 + 2,000 <= 20,000
+    assert KVPolicy(min_decoding=0, idle_fill=0.0, place=False).may_generate(v, "back")  # summed: 17,500 + 2,000 <= 20,000
     assert not policy.may_generate(v, "back")  # 9,000 + 2,000 > 10,000 and 8,500 + 2,000 > 10,000: held
     assert list(policy.resume_candidates(v, ["back"])) == ["back"]
     assert policy.may_generate(v, "n0") and policy.kv_pool(v, "n0") == 1  # pool 0 holds one: the new group goes to 1
