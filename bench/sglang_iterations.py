@@ -49,7 +49,8 @@ def decode_iterations(log: Path) -> dict[str, list[tuple[int, int, float]]]:
 
 def compare(iterations: list[tuple[int, int, float]], coefficients: dict[str, float]) -> dict:
     c = coefficients
-    fitted = [c["fixed_s"] + c["per_decode_seq_s"] * rows + c["per_kv_token_s"] * tokens for rows, tokens, _ in iterations]
+    fitted = [c["fixed_s"] + c["per_decode_seq_s"] * rows + c["per_kv_token_s"] * tokens
+              for rows, tokens, _ in iterations]
     ratios = [s / f for (_, _, s), f in zip(iterations, fitted)]
     deciles = statistics.quantiles(ratios, n=10)
     by_batch = {f"{lo}-{hi - 1}": statistics.median(r for (rows, _, _), r in zip(iterations, ratios) if lo <= rows < hi)
@@ -94,7 +95,8 @@ def main() -> None:
     path.write_text(json.dumps(out, indent=2) + "\n")
     for policy, r in results.items():
         print(f"{policy:>24}: makespan {r['makespan_s']:.2f} s; {r['iterations']} clean decode iterations "
-              f"(mean {r['mean_rows']:.1f} rows): measured {r['measured_s']:.2f} s against fitted {r['fitted_s']:.2f} s, "
+              f"(mean {r['mean_rows']:.1f} rows): measured {r['measured_s']:.2f} s against fitted "
+              f"{r['fitted_s']:.2f} s, "
               f"median ratio {r['ratio_median']:.2f} [p10 {r['ratio_p10']:.2f}, p90 {r['ratio_p90']:.2f}]")
     print(f"wrote {path}")
 

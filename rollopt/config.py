@@ -237,8 +237,8 @@ class SimEngineConfig:
     cost_file: str | None = None
     """A cost file written by ``rollopt calibrate`` (:mod:`rollopt.engines.sim_calibration`): sets ``linear``
     and ``fitted_to``, ``kv_tokens`` unless given, and the calibrated engine's ``max_running``,
-    ``prefill_chunk``, ``block_size``, ``max_context``, ``defer_shared_prefill`` and ``mixed_prefill`` where these are left at their
-    defaults, so the sim replays the engine it was fitted to."""
+    ``prefill_chunk``, ``block_size``, ``max_context``, ``defer_shared_prefill`` and ``mixed_prefill`` where these
+    are left at their defaults, so the sim replays the engine it was fitted to."""
     efficiency: tuple[float, float] = (0.80, 0.90)
     """Roofline (compute, memory) fractions of peak (measured H200 figures, notes/agentic-scale.md)."""
     max_running: int = 256

@@ -22,13 +22,16 @@ calls) do, driven by what the rollout graph knows:
   pool only by what admitted trajectories add turn by turn, and LRU then evicts the one whose tool has run
   longest (with heavy-tailed tool latencies, the one least likely to return soon). When nothing is in the
   engine, the next one is admitted whatever its size, so a history larger than the pool still runs.
-* **A floor under the decode batch** (``min_decoding``, 16): on one server, while fewer than that many requests
-  decode, the next program is admitted whatever the KV in use. Holding programs back shrinks the decode batch, and
-  below a few rows an iteration's fixed cost (the weights read, the step launched) is spread over too few tokens:
-  that costs more than the recompute held back saves where the pool holds only a few histories. On the real
+* **A floor under the decode batch** (``min_decoding``, 16): on one server whose pool cannot hold that many
+  histories of the size decoding now (their mean), while fewer than that many requests decode, the next program is
+  admitted whatever the KV in use. There holding programs back keeps the decode batch at a few rows, and an
+  iteration's fixed cost (the weights read, the step launched) spread over so few tokens costs more than the
+  recompute held back saves. Where the pool holds enough histories, a small batch means programs are in their
+  tools, and the KV rule decides (with the floor there too, 256 simulated agents against a 200k-token pool
+  recomputed 3.6–4.0M tokens against 3.2–3.5M). On the real
   SGLang CPU server under KV pressure (64 software-engineering agents, ~3.2k-token histories, an 8,192-token pool)
-  ``kv`` went from 0.97× of ``async`` [0.94–0.98] to 1.00× [0.97–1.03] (the sim fitted to that server: 0.91× to
-  0.99×); on the embedded engine it is a tie too (1.00× [0.90–1.03]; 1.03× without, on 2026-12-06); the
+  ``kv`` went from 0.97× of ``async`` [0.94–0.98] to 1.03× [0.85–1.04] (the sim fitted to that server: 0.91× to
+  0.99×); on the embedded engine it is a tie too (0.99× [0.96–1.06]; 1.03× without, on 2026-12-06); the
   simulated workloads at 1,024 on one H200 keep their figures to the digit (their pools hold dozens of histories,
   so the floor never binds). Behind a router, where each pool is sized alone, it does not apply.
 * **Pausing started programs** (``pause``; ThunderAgent's program scheduler, arXiv 2602.13692): a started
@@ -220,12 +223,14 @@ class KVPolicy(Policy):
         """The admission rule: a history of ``tokens`` fits beside the KV in use in ``pool`` (None: the engine's
         one pool, or all of them summed), or that pool has room to spare (the KV decoding now plus it within
         ``idle_fill`` of the pool; a placed pool with nothing decoding takes it whatever its size; one server's
-        pool while fewer than ``min_decoding`` requests decode)."""
+        pool while fewer than ``min_decoding`` requests decode and it could not hold ``min_decoding`` histories of
+        their mean size)."""
         size, active, generating = self._kv(view, pool)
         if pool is not None and generating == 0:
             return True
-        if view.kv_pools == 1 and view.generating < self.min_decoding:
-            return True  # a decode batch this small costs more in iterations than the recompute it would save
+        if view.kv_pools == 1 and 0 < view.generating < self.min_decoding and \
+                view.generating_tokens * self.min_decoding > view.generating * size:
+            return True  # the pool cannot hold min_decoding such histories: holding back would keep the batch small
         return active + tokens <= self.fill * size or generating + tokens <= self.idle_fill * size
 
     def admission_candidates(self, view: RolloutView, not_started: Collection[str]) -> Iterable[str]:

@@ -69,24 +69,27 @@ def test_while_the_kv_decoding_now_leaves_the_pool_half_free_a_new_trajectory_go
     assert KVPolicy(min_decoding=0).may_generate(view(*busy(2, 1_500), *tools, new), "n")  # 3,000 + 1,000 <= 5,000
     assert not KVPolicy(min_decoding=0).may_generate(view(*busy(3, 1_500), *tools, new), "n")  # 4,500 + 1,000 > 5,000
     assert not KVPolicy(min_decoding=0, idle_fill=0.0).may_generate(view(*busy(2, 1_500), *tools, new), "n")
-    assert KVPolicy(min_decoding=0, idle_fill=1.0).may_generate(view(*busy(5, 1_500), *tools, new), "n")  # 8,500 fits 10,000
+    assert KVPolicy(min_decoding=0, idle_fill=1.0).may_generate(view(*busy(5, 1_500), *tools, new), "n")  # 8,500 fits
     with pytest.raises(ValueError, match="idle_fill"):
         KVPolicy(fill=0.5, idle_fill=0.8)
 
 
-def test_while_fewer_than_min_decoding_requests_decode_a_new_trajectory_goes_whatever_the_kv_in_use():
-    """Holding programs back shrinks the decode batch; below ``min_decoding`` rows an iteration's fixed cost (the
-    weights read, the step launched) is spread over too few rows, and that costs more than the recompute held back
-    saves (the real SGLang CPU server under KV pressure: ``kv`` 0.97× of ``async`` without this floor). Behind a
-    router, where each pool is sized alone, the floor does not apply."""
+def test_while_fewer_than_min_decoding_requests_decode_in_a_pool_too_small_for_that_many_a_new_one_goes():
+    """Where the pool cannot hold ``min_decoding`` histories of the size decoding now, holding programs back keeps
+    the decode batch at a few rows, whose iterations cost more than the recompute saved (the real SGLang CPU server
+    under KV pressure: ``kv`` 0.97× of ``async`` without this floor). Where it can, a small batch means programs
+    are in their tools and the KV rule decides; behind a router, where each pool is sized alone, no floor."""
     new = entry("n", Stage.GATE, 1_000, turn=0)
     tools = [entry(f"t{i}", Stage.TOOLS, 2_000) for i in range(5)]
-    crowded = view(*busy(15, 100), *tools, new)  # 11,500 in use + 1,000 > 10,000; 1,500 decoding
-    assert crowded.generating == 15 and crowded.active_tokens + 1_000 > KV
-    assert KVPolicy(idle_fill=0.0).may_generate(crowded, "n")  # 15 rows < 16: admitted
-    assert not KVPolicy(idle_fill=0.0, min_decoding=15).may_generate(crowded, "n")
-    full = view(*busy(16, 100), *tools, new)
-    assert not KVPolicy(idle_fill=0.0).may_generate(full, "n")  # 16 rows decode: the KV rule decides
+    small_pool = view(*busy(15, 700), *tools, new)  # 16 histories of 700 > 10,000: the pool cannot hold them
+    assert small_pool.generating == 15 and small_pool.active_tokens + 1_000 > KV
+    assert KVPolicy(idle_fill=0.0).may_generate(small_pool, "n")  # 15 rows < 16: admitted
+    assert not KVPolicy(idle_fill=0.0, min_decoding=15).may_generate(small_pool, "n")
+    assert not KVPolicy(idle_fill=0.0).may_generate(view(*busy(16, 700), *tools, new), "n")  # 16 rows decode
+    roomy = view(*busy(15, 100), *tools, new)  # 16 × 100 fits: programs are in their tools, the KV rule decides
+    assert roomy.active_tokens + 1_000 > KV and not KVPolicy(idle_fill=0.0).may_generate(roomy, "n")
+    pooled = RolloutView(small_pool.trajectories, kv_tokens=KV, kv_pools=8)  # the pools summed
+    assert not KVPolicy(idle_fill=0.0, place=False).may_generate(pooled, "n")
 
 
 def test_pins_last_the_learned_latency_of_the_tool_just_called_and_never_under_pressure():
@@ -245,7 +248,7 @@ def test_pause_holds_a_history_that_does_not_fit_and_resumes_the_smallest_first(
     big, small = entry("big", Stage.GATE, 5_000, turn=3), entry("small", Stage.GATE, 4_500, turn=2)
     new = entry("n", Stage.GATE, 100, turn=0)
     v = view(*decoding, big, small, new)
-    assert KVPolicy(min_decoding=0, idle_fill=0.0, pause="never").may_generate(v, "big")  # without pausing: started ones go
+    assert KVPolicy(min_decoding=0, idle_fill=0.0, pause="never").may_generate(v, "big")  # no pausing: started go
     assert not policy.may_generate(v, "big")  # 6,000 + 5,000 > 10,000: held
     assert not policy.may_generate(v, "small")  # 6,000 + 4,500 > 10,000: held, and now first in line
     assert list(policy.resume_candidates(v, ["big", "small"])) == ["small"]
@@ -300,7 +303,7 @@ def test_behind_a_router_kv_places_each_group_in_a_pool_and_sizes_every_pool_alo
     new, sibling = placed("n0", "n", Stage.GATE, 500, None, turn=0), placed("n1", "n", Stage.GATE, 500, None, turn=0)
     v = RolloutView((*full, other, back, new, sibling), kv_tokens=2 * KV, kv_pools=2)
     assert (v.pool_active_tokens(0), v.pool_active_tokens(1), v.active_tokens) == (9_000, 8_500, 17_500)
-    assert KVPolicy(min_decoding=0, idle_fill=0.0, place=False).may_generate(v, "back")  # summed: 17,500 + 2,000 <= 20,000
+    assert KVPolicy(min_decoding=0, idle_fill=0.0, place=False).may_generate(v, "back")  # 17,500 + 2,000 <= 20,000
     assert not policy.may_generate(v, "back")  # 9,000 + 2,000 > 10,000 and 8,500 + 2,000 > 10,000: held
     assert list(policy.resume_candidates(v, ["back"])) == ["back"]
     assert policy.may_generate(v, "n0") and policy.kv_pool(v, "n0") == 1  # pool 0 holds one: the new group goes to 1

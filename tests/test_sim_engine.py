@@ -386,7 +386,8 @@ def test_virtual_makespan_of_a_tiny_workload_equals_the_hand_computed_cost():
 def test_without_mixed_batches_a_prefill_runs_alone_and_the_decode_batch_waits_for_it():
     """SGLang's default (no ``--enable-mixed-chunk``): "run prefill first if possible". The workload above, with
     ``mixed_prefill=False``: it3 prefills b[6:10] alone (a does not decode), then a and b decode together.
-    it3 → 0.01 + 0.004; it4 decode a (11), b (11) → 0.01 + 2 × 0.002 + 22 × 0.0001; it5 (12, 12) → … + 0.0024."""
+    it3 → 0.01 + 0.004; it4 decode a (11), b (11) → 0.01 + 2 × 0.002 + 22 × 0.0001;
+    it5 decode a (12), b (12) → 0.01 + 2 × 0.002 + 24 × 0.0001."""
     expected = 0.018 + 0.018 + 0.014 + 0.0162 + 0.0164
 
     async def main():

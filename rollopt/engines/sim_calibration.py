@@ -213,7 +213,8 @@ async def simulated_iterations(probe: Probe, sizes: EngineSizes, vocab_size: int
         return [features for _, features, _ in sim.iterations]
 
 
-def planned_iterations(probes: Sequence[Probe], sizes: EngineSizes, vocab_size: int) -> dict[Probe, list[IterationFeatures]]:
+def planned_iterations(probes: Sequence[Probe], sizes: EngineSizes,
+                       vocab_size: int) -> dict[Probe, list[IterationFeatures]]:
     """:func:`simulated_iterations` of every probe, in an event loop of their own on the virtual clock (call it from
     a worker thread when a loop is running: ``anyio.to_thread.run_sync``). Before each iteration the sim waits
     until every task is blocked, which trio's clock sees at once and asyncio can only poll (anyio sleeps 0.1 s
