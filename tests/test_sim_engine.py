@@ -358,17 +358,12 @@ def test_chunked_prefill_splits_a_long_prompt_and_the_makespan_is_the_cost_model
     run(main)
 
 
-def test_virtual_makespan_of_a_tiny_workload_equals_the_hand_computed_cost():
-    """Two requests, 10-token prompts, 3 new tokens, pages of 4, 8 prefill tokens per iteration:
-    it1 prefill a[0:8] → 0.01 + 0.008
-    it2 prefill a[8:10] (a's first token) + b[0:6] → 0.01 + 0.008
-    it3 decode a (11 positions) + prefill b[6:10] (b's first token) → 0.01 + 0.004 + 0.002 + 0.0011
-    it4 decode a (12), b (11) → 0.01 + 2 × 0.002 + 23 × 0.0001; a is done
-    it5 decode b (12) → 0.01 + 0.002 + 0.0012"""
-    expected = 0.018 + 0.018 + 0.0171 + 0.0163 + 0.0132
-
+def two_requests_after_a_pause(**options) -> tuple[float, list[tuple[int, int, int]]]:
+    """Two requests (10-token prompts, 3 new tokens, pages of 4, 8 prefill tokens per iteration) queued behind a
+    pause, a first, then let go: the virtual seconds to the end and each iteration's (prefill tokens, decode rows,
+    KV read)."""
     async def main():
-        async with sim(prefill_chunk=8, block_size=4, record=True) as engine:
+        async with sim(prefill_chunk=8, block_size=4, record=True, **options) as engine:
             await engine.pause("in_place")  # both wait in the queue, a first
             async with anyio.create_task_group() as tg:
                 for rid in "ab":
@@ -376,11 +371,21 @@ def test_virtual_makespan_of_a_tiny_workload_equals_the_hand_computed_cost():
                     await anyio.sleep(1)
                 t0 = anyio.current_time()
                 await engine.resume()
-            assert anyio.current_time() - t0 == pytest.approx(expected)
-            assert [(f.prefill_tokens, f.decode_seqs, f.decode_kv_read) for _, f, _ in engine.iterations] == [
-                (8, 0, 0), (8, 0, 0), (4, 1, 11), (0, 2, 23), (0, 1, 12)]
+            return anyio.current_time() - t0, [(f.prefill_tokens, f.decode_seqs, f.decode_kv_read)
+                                               for _, f, _ in engine.iterations]
 
-    run(main)
+    return run(main)
+
+
+def test_virtual_makespan_of_a_tiny_workload_equals_the_hand_computed_cost():
+    """it1 prefill a[0:8] → 0.01 + 0.008
+    it2 prefill a[8:10] (a's first token) + b[0:6] → 0.01 + 0.008
+    it3 decode a (11 positions) + prefill b[6:10] (b's first token) → 0.01 + 0.004 + 0.002 + 0.0011
+    it4 decode a (12), b (11) → 0.01 + 2 × 0.002 + 23 × 0.0001; a is done
+    it5 decode b (12) → 0.01 + 0.002 + 0.0012"""
+    seconds, iterations = two_requests_after_a_pause()
+    assert seconds == pytest.approx(0.018 + 0.018 + 0.0171 + 0.0163 + 0.0132)
+    assert iterations == [(8, 0, 0), (8, 0, 0), (4, 1, 11), (0, 2, 23), (0, 1, 12)]
 
 
 def test_without_mixed_batches_a_prefill_runs_alone_and_the_decode_batch_waits_for_it():
@@ -388,22 +393,9 @@ def test_without_mixed_batches_a_prefill_runs_alone_and_the_decode_batch_waits_f
     ``mixed_prefill=False``: it3 prefills b[6:10] alone (a does not decode), then a and b decode together.
     it3 → 0.01 + 0.004; it4 decode a (11), b (11) → 0.01 + 2 × 0.002 + 22 × 0.0001;
     it5 decode a (12), b (12) → 0.01 + 2 × 0.002 + 24 × 0.0001."""
-    expected = 0.018 + 0.018 + 0.014 + 0.0162 + 0.0164
-
-    async def main():
-        async with sim(prefill_chunk=8, block_size=4, record=True, mixed_prefill=False) as engine:
-            await engine.pause("in_place")
-            async with anyio.create_task_group() as tg:
-                for rid in "ab":
-                    tg.start_soon(engine.generate, req(rid, [ord(rid)] * 10, 3))
-                    await anyio.sleep(1)
-                t0 = anyio.current_time()
-                await engine.resume()
-            assert anyio.current_time() - t0 == pytest.approx(expected)
-            assert [(f.prefill_tokens, f.decode_seqs, f.decode_kv_read) for _, f, _ in engine.iterations] == [
-                (8, 0, 0), (8, 0, 0), (4, 0, 0), (0, 2, 22), (0, 2, 24)]
-
-    run(main)
+    seconds, iterations = two_requests_after_a_pause(mixed_prefill=False)
+    assert seconds == pytest.approx(0.018 + 0.018 + 0.014 + 0.0162 + 0.0164)
+    assert iterations == [(8, 0, 0), (8, 0, 0), (4, 0, 0), (0, 2, 22), (0, 2, 24)]
 
 
 def test_requests_of_one_instant_are_planned_together_whatever_order_their_tasks_ran_in():
