@@ -13,7 +13,6 @@ from rollopt.config import SimEngineConfig
 from rollopt.engines.routed import RoutedEngine
 from rollopt.engines.sim import SimEngine
 from rollopt.engines.sim_cost import model_shape
-from rollopt.engines.virtual_clock import start_repeatable_run
 from rollopt.environments.agentic import AgentEnv
 from rollopt.modeling.tiny import build_tokenizer
 from rollopt.schedulers import KVPolicy, RolloutView, Stage, ToolLatencies, TrajectoryView, build_scheduler
@@ -137,7 +136,6 @@ def rollout_on_sim(policy, kv_tokens: int, tasks: int, token_scale: float, serve
     config = SimEngineConfig(model_shape="llama-3.1-8b", kv_tokens=kv_tokens, max_context=16384)
 
     async def main():
-        await start_repeatable_run(0)  # trio's order of tasks woken together: the same run in every process
         sims = [SimEngine.from_config(config, model_shape("llama-3.1-8b"), vocab_size=len(tokenizer),
                                       eos_token_ids=(tokenizer.eos_token_id,), tokenizer=tokenizer,
                                       script=env.simulated_model(tokenizer)) for _ in range(servers)]
@@ -157,8 +155,7 @@ def tokens_by_trajectory(result) -> dict[str, tuple[int, ...]]:
 
 def test_kv_changes_no_token_and_under_kv_pressure_cuts_recompute_and_makespan():
     """256 agents whose histories (~5k tokens each at this scale) exceed a 200k-token KV several times over.
-    (Measured, trio's order seeded with 0: kv 245.1 virtual s, prefill 3.45M; async 256.6 s, 7.24M; unseeded, kv's
-    prefill ranged 3.2–3.5M from process to process. Without ``idle_fill``, admitting only
+    (Measured: kv 244.2 virtual s, prefill 3.2–3.5M; async 256.6 s, 7.24M. Without ``idle_fill``, admitting only
     while the KV in use fits: 246.8 s, 1.33M — less recompute, but the engine less full.)"""
     policies = (build_scheduler("kv"), build_scheduler("async"))
     (fast, fast_prefill), (slow, slow_prefill) = (rollout_on_sim(p, 200_000, 32, 0.4) for p in policies)
