@@ -13,6 +13,7 @@ from rollopt.config import SimEngineConfig
 from rollopt.engines.routed import RoutedEngine
 from rollopt.engines.sim import SimEngine
 from rollopt.engines.sim_cost import model_shape
+from rollopt.engines.virtual_clock import start_repeatable_run
 from rollopt.environments.agentic import AgentEnv
 from rollopt.modeling.tiny import build_tokenizer
 from rollopt.schedulers import KVPolicy, RolloutView, Stage, ToolLatencies, TrajectoryView, build_scheduler
@@ -130,7 +131,8 @@ def test_bad_options_are_refused(kwargs):
 # ---------------------------------------------------------------------------------------------- simulated engine
 def rollout_on_sim(policy, kv_tokens: int, tasks: int, token_scale: float, servers: int = 1):
     """``tasks`` software-engineering agent groups (8 each) on one simulated H200 (llama-3.1-8b roofline), or on
-    ``servers`` of them behind the router (``kv_tokens`` each); the result and the prefill summed over servers."""
+    ``servers`` of them behind the router (``kv_tokens`` each), trio's task order seeded (the run is the same
+    whatever ran before it in the process); the result and the prefill summed over servers."""
     tokenizer = build_tokenizer()
     env = AgentEnv("swe-agent", token_scale=token_scale, latency_scale=0.5)
     config = SimEngineConfig(model_shape="llama-3.1-8b", kv_tokens=kv_tokens, max_context=16384)
@@ -141,6 +143,7 @@ def rollout_on_sim(policy, kv_tokens: int, tasks: int, token_scale: float, serve
                                       script=env.simulated_model(tokenizer)) for _ in range(servers)]
         async with sims[0] if servers == 1 else RoutedEngine(sims, names=[f"s{i}" for i in range(servers)]) as engine:
             specs = episode_specs(env.tasks(tasks, 0), 8, SamplingParams(temperature=1.0), 0)
+            await start_repeatable_run(0)
             executor = RolloutExecutor(env, engine, ChatRenderer(tokenizer), policy,
                                        clock=anyio.current_time)
             result = await executor.run(specs)
@@ -155,13 +158,14 @@ def tokens_by_trajectory(result) -> dict[str, tuple[int, ...]]:
 
 def test_kv_changes_no_token_and_under_kv_pressure_cuts_recompute_and_makespan():
     """256 agents whose histories (~5k tokens each at this scale) exceed a 200k-token KV several times over.
-    (Measured: kv 244.2 virtual s, prefill 3.2–3.5M; async 256.6 s, 7.24M. Without ``idle_fill``, admitting only
-    while the KV in use fits: 246.8 s, 1.33M — less recompute, but the engine less full.)"""
+    (Measured, task-order seeds 0, 1, 2: kv 242.5, 244.2, 244.2 virtual s, prefill 3.98M, 3.20M, 3.20M; async
+    256.6 s, 7.24M each. Without ``idle_fill``, admitting only while the KV in use fits: 246.8 s, 1.33M — less
+    recompute, but the engine less full.)"""
     policies = (build_scheduler("kv"), build_scheduler("async"))
     (fast, fast_prefill), (slow, slow_prefill) = (rollout_on_sim(p, 200_000, 32, 0.4) for p in policies)
     assert tokens_by_trajectory(fast) == tokens_by_trajectory(slow)  # R1: identical tokens, every trajectory
     assert len(fast.trajectories) == 256 and not any(t.error for t in fast.trajectories)
-    assert fast_prefill < 0.5 * slow_prefill
+    assert fast_prefill < 0.6 * slow_prefill  # 0.44-0.55 over the seeds measured
     assert fast.wall_s < slow.wall_s  # virtual seconds
 
 
