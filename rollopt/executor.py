@@ -195,6 +195,7 @@ class _Batch:
         self._graph, self._t0 = RolloutGraph(), self.clock()
         self._target = target_groups
         self._max_context, self._kv_tokens, self._kv_pools = info.max_context, info.kv_tokens, info.kv_pools
+        self._max_running = info.max_running
         self._tool_latency = ToolLatencies()
         self._changed: anyio.Event | None = None  # set on the next state change; made only when a gate waits
         # trajectories waiting at may_generate, each woken by its own event only when the policy's
@@ -283,7 +284,7 @@ class _Batch:
         """The policy's snapshot; rebuilt after each state change (token counts may lag by one change)."""
         if self._view is None:
             self._view = RolloutView(tuple(r.view() for r in self._runs), self._target, self._now(), self._kv_tokens,
-                                     self._tool_latency, self._kv_pools)
+                                     self._tool_latency, self._kv_pools, self._max_running)
         return self._view
 
     def _notify(self, changed: TrajectoryRun) -> None:

@@ -15,6 +15,7 @@ its own module, declares its risk class, and is registered in ``SCHEDULERS``; a 
 | las       | least attained service first: short trajectories are not stuck behind long ones | R1 |
 | kv        | admit trajectories while the KV in use fits the pool (behind a router, resume started ones so too); pin each across its tool call | R1 |
 | auto      | the default to pick: overlap+kv                                       | R1   |
+| lpf       | longest predicted first: a probe of each group, then the group whose members ran longest | R1 |
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rollopt.schedulers.base import (
 from rollopt.schedulers.auto import AutoPolicy
 from rollopt.schedulers.kv import KVPolicy
 from rollopt.schedulers.las import LeastAttainedServicePolicy
+from rollopt.schedulers.lpf import LongestPredictedFirstPolicy
 from rollopt.schedulers.overlap import OverlapPolicy
 from rollopt.schedulers.per_trajectory import AsyncPolicy
 from rollopt.schedulers.prefix import PrefixPolicy
@@ -53,7 +55,7 @@ def register_scheduler(name: str, factory: Callable[..., Policy]) -> None:
 
 
 for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy, WarmPolicy, LeastAttainedServicePolicy,
-             KVPolicy, AutoPolicy):
+             KVPolicy, AutoPolicy, LongestPredictedFirstPolicy):
     register_scheduler(_cls.name, _cls)
 
 
@@ -80,11 +82,13 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
         raise ConfigError(f"options {sorted(set(options) - used)} are not accepted by any of {names}")
     if any(p.barrier for p in parts) and any(p.name in ("async", "overlap", "auto") for p in parts):
         raise ConfigError("'sync' (a per-turn barrier) cannot be combined with 'async' or 'overlap' (no barrier)")
+    if "lpf" in names and {"kv", "auto"} & set(names):
+        raise ConfigError(f"{spec!r}: 'lpf' and 'kv' (or 'auto') each decide the order trajectories start; pick one")
     return parts[0] if len(parts) == 1 else CompositePolicy(parts)
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "AutoPolicy", "CompositePolicy", "KVPolicy", "LeastAttainedServicePolicy", "OverlapPolicy", "Policy",
+    "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "AutoPolicy", "CompositePolicy", "KVPolicy", "LeastAttainedServicePolicy", "LongestPredictedFirstPolicy", "OverlapPolicy", "Policy",
     "PrefixPolicy", "PreemptPolicy", "RiskClass", "RolloutView", "Stage", "SyncPolicy", "ToolLatencies", "TrajectoryView",
     "WarmPolicy", "build_scheduler", "register_scheduler",
 ]

@@ -261,6 +261,8 @@ class RolloutView:
     """Latencies of the tool calls finished so far in this batch, per tool (None: not tracked)."""
     kv_pools: int = 1
     """How many separate KV pools ``kv_tokens`` sums (:attr:`EngineInfo.kv_pools`: servers behind a router)."""
+    max_running: int | None = None
+    """Requests the engine decodes at once at most (:attr:`EngineInfo.max_running`); None: not reported."""
     _tally: _Tally = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -278,7 +280,7 @@ class RolloutView:
             tally.first_waiting = _first_waiting(entries, pos)  # one's change moves it: amortized O(1) scans
         view.__dict__.update(trajectories=entries, target_groups=self.target_groups, now=now,
                              kv_tokens=self.kv_tokens, tool_latency=self.tool_latency, kv_pools=self.kv_pools,
-                             _tally=tally)
+                             max_running=self.max_running, _tally=tally)
         return view
 
     def __getitem__(self, tid: str) -> TrajectoryView:

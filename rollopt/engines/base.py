@@ -143,6 +143,9 @@ class EngineInfo:
     running_kv_tokens: int | None = None
     """Tokens of context the requests of one iteration can hold at most (the KV pool they decode from; SGLang's
     ``max_total_num_tokens``); None: not reported. The benchmark's lower bound counts iterations by it."""
+    max_running: int | None = None
+    """Requests the engine decodes at once at most (its batch's rows: SGLang's ``max_running_requests``); more wait
+    in its queue, in its order, not the client's. Behind a router, the servers' sum. None: not reported."""
     kv_pools: int = 1
     """How many separate KV pools ``kv_tokens`` sums (the servers behind a router), each ``kv_tokens / kv_pools``
     tokens: a policy that sizes its working set by the sum cannot see one pool overflowing while the others have

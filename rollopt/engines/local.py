@@ -208,7 +208,8 @@ class LocalEngine(CommandLoopEngine):
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_name, vocab_size=self.model.shape.vocab_size,
                           max_context=self.engine_config.max_context, version=self.version,
-                          eos_token_ids=self.eos_token_ids, kv_tokens=self.engine_config.prefix_cache_tokens)
+                          eos_token_ids=self.eos_token_ids, kv_tokens=self.engine_config.prefix_cache_tokens,
+                          max_running=self.engine_config.max_running)
 
     # ------------------------------------------------------------------------------------------ loop
     def _has_work(self) -> bool:

@@ -198,9 +198,11 @@ class RoutedEngine(Engine):
             self._check_versions()
             self.version = infos[0].version
             kv, running = [i.kv_tokens for i in infos], [i.running_kv_tokens for i in infos]
+            rows = [i.max_running for i in infos]
             self._info = replace(infos[0], max_context=min(i.max_context for i in infos),
                                  kv_tokens=None if None in kv else sum(kv),  # type: ignore[arg-type]
                                  running_kv_tokens=None if None in running else min(running),  # one server's batch
+                                 max_running=None if None in rows else sum(rows),  # type: ignore[arg-type]
                                  kv_pools=sum(i.kv_pools for i in infos))
             self._stack = stack.pop_all()
         return self

@@ -229,6 +229,7 @@ class SGLangEngine(Engine):
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else None
         self.max_context = 0
         self.kv_tokens: int | None = None  # the server's KV pool in tokens, once connected (if it reports it)
+        self.max_running: int | None = None  # the server's running-request limit, once connected (likewise)
         self.incremental_stream = False
         self._initial_version = initial_version
         self._initial_tag: str | None = None
@@ -271,6 +272,8 @@ class SGLangEngine(Engine):
         self.version = self._initial_version
         self.incremental_stream = bool(server.get("incremental_streaming_output", False))
         self.kv_tokens = _reported_size(server, "max_total_num_tokens")  # the KV pool, for policies that size by it
+        # the scheduler's resolved limit (0.5.23: internal_states' effective_max_running_requests_per_dp)
+        self.max_running = _reported_size(server, "effective_max_running_requests_per_dp", "max_running_requests")
         try:
             models = await self._get("/v1/models")
             self.max_context = int(models["data"][0]["max_model_len"])
@@ -647,7 +650,8 @@ class SGLangEngine(Engine):
     async def info(self) -> EngineInfo:
         return EngineInfo(model=self.model_path, vocab_size=int(self.vocab_size or 0), max_context=self.max_context,
                           version=self.version, eos_token_ids=tuple(self.eos_token_ids or ()), kv_tokens=self.kv_tokens,
-                          running_kv_tokens=self.kv_tokens)  # one pool: running requests and the radix cache
+                          running_kv_tokens=self.kv_tokens,  # one pool: running requests and the radix cache
+                          max_running=self.max_running)
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.base_url!r}, version={self.version}, live={len(self._live)})"

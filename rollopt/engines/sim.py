@@ -333,7 +333,8 @@ class SimEngine(CommandLoopEngine):
 
     async def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.vocab_size, self.config.max_context, self.version, self.eos_token_ids,
-                          kv_tokens=self.kv_tokens, running_kv_tokens=self.kv_tokens)
+                          kv_tokens=self.kv_tokens, running_kv_tokens=self.kv_tokens,
+                          max_running=self.config.max_running)
 
     # ------------------------------------------------------------------------------------------ loop
     def _has_work(self) -> bool:
