@@ -98,7 +98,7 @@ class LongestPredictedFirstPolicy(Policy):
         batch is new, or the ranking ran out)."""
         stale = (self._ranked_at is None or self._batch is not view.group_order
                  or view.now - self._ranked_at >= self.refresh_s)
-        for attempt in range(2):
+        for _ in range(2):
             if stale:
                 self._ranking, self._next = self.ranking(view), 0
                 self._ranked_at, self._batch = view.now, view.group_order

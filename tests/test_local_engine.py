@@ -212,6 +212,7 @@ async def test_update_weights_tags_tokens_with_their_version(tokenizer, peaked_m
                 assert await eng.update_weights(other) == 1
         res = chunks[-1].result
         assert (await eng.info()).version == 1 and eng.stats.retractions == 1
+        assert (await eng.info()).max_running == 32  # its slots: the batch rows `lpf` holds its queue by
         assert len(eng.prefix_cache) == 0 or eng.prefix_cache.stats.cleared == 1
         after = await eng.generate(GenerateRequest("y", prompt(16), GREEDY))
         switch = res.versions.index(1)

@@ -512,6 +512,7 @@ async def test_calibrate_reads_the_servers_sizes_and_fits_its_probes(sglang_serv
         assert sizes.max_running >= 1 and sizes.prefill_chunk >= 1 and sizes.block_size >= 1
         assert sizes.kv_tokens >= sizes.max_context >= 64
         assert (await eng.info()).kv_tokens == sizes.kv_tokens  # what `kv` admits by on this server
+        assert (await eng.info()).max_running == sizes.max_running  # what `lpf` holds its queue by
         assert (await eng._get_server_info())["schedule_policy"] == "fcfs"  # SGLang's default, reported
         assert sizes.defer_shared_prefill is False  # fcfs prefills a prompt shared by requests that come together
         assert sizes.mixed_prefill is False  # no --enable-mixed-chunk: a prefill batch runs alone, decode waits

@@ -546,6 +546,7 @@ def test_several_simulated_servers_rebalance_unless_told_not_to():
                 assert engine.router.names == ("sim0", "sim1") and engine.router.rebalance_abs == expected
                 info, one = await engine.info(), await engine.engines[0].info()
                 assert (info.kv_pools, one.kv_pools) == (2, 1) and info.kv_tokens == 2 * one.kv_tokens
+                assert one.max_running == 256 and info.max_running == 2 * 256  # the batch rows of both servers
 
     run(main)
 

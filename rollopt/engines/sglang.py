@@ -272,8 +272,7 @@ class SGLangEngine(Engine):
         self.version = self._initial_version
         self.incremental_stream = bool(server.get("incremental_streaming_output", False))
         self.kv_tokens = _reported_size(server, "max_total_num_tokens")  # the KV pool, for policies that size by it
-        # the scheduler's resolved limit (0.5.23: internal_states' effective_max_running_requests_per_dp)
-        self.max_running = _reported_size(server, "effective_max_running_requests_per_dp", "max_running_requests")
+        self.max_running = _reported_size(server, *MAX_RUNNING_KEYS)
         try:
             models = await self._get("/v1/models")
             self.max_context = int(models["data"][0]["max_model_len"])
@@ -635,11 +634,10 @@ class SGLangEngine(Engine):
             chunk = size("chunked_prefill_size")
         except EngineError:  # chunked prefill off: a prompt is prefilled whole
             chunk = self.max_context
-        # internal_states: the scheduler's resolved limit (0.5.23: effective_max_running_requests_per_dp)
         # fcfs (0.5.23's default) matches no prefix across the waiting queue: requests that arrive together with
         # one uncached prompt each prefill it; the cache-aware policies deprioritize all but one of them
         policy = str(info.get("schedule_policy", "fcfs"))
-        return {"max_running": size("effective_max_running_requests_per_dp", "max_running_requests"),
+        return {"max_running": size(*MAX_RUNNING_KEYS),
                 "prefill_chunk": chunk,
                 "block_size": size("page_size"), "max_context": self.max_context, "kv_tokens": kv_tokens,
                 "defer_shared_prefill": policy in ("lpm", "dfs-weight", "hrrn", "shortest-prefill-first"),
@@ -655,6 +653,11 @@ class SGLangEngine(Engine):
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.base_url!r}, version={self.version}, live={len(self._live)})"
+
+
+MAX_RUNNING_KEYS = ("effective_max_running_requests_per_dp", "max_running_requests")
+"""Where ``/server_info`` reports the scheduler's running-request limit (0.5.23: the resolved one in
+``internal_states``; the launch argument otherwise)."""
 
 
 def _reported_size(server_info: dict, *keys: str) -> int | None:
