@@ -27,6 +27,7 @@ from rollopt.benchmark.report import plot, table
 from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
 from rollopt.benchmark.workloads import get_workload
 from rollopt.engines import run as run_on_engine_clock
+from rollopt.schedulers import split_specs
 
 
 def main() -> None:
@@ -49,7 +50,7 @@ def main() -> None:
     workload = get_workload(args.workload, tasks=args.trajectories // probe.group_size)
     engine = engine_config("sim", workload, hardware=args.hardware, model_shape=args.model_shape,
                            servers=args.servers, max_running=workload.max_running, rebalance=not args.no_rebalance)
-    schedulers = tuple(s for s in args.schedulers.split(",") if s)
+    schedulers = split_specs(args.schedulers)
     wall: dict[str, list[float]] = {name: [] for name in schedulers}
     last = [time.perf_counter()]
 

@@ -65,6 +65,7 @@ def main() -> None:
     from rollopt.engines.sglang_server import SGLangServer
     from rollopt.modeling import load_model
     from rollopt.modeling.loading import save_hf_dir
+    from rollopt.schedulers import split_specs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="tool-heavy")
@@ -79,7 +80,7 @@ def main() -> None:
         makespans = {}
         with SGLangServer(model_dir, extra_args=["--dtype", "float32", "--decode-log-interval", "1"],
                           log_path=log) as server:
-            for policy in (s for s in args.schedulers.split(",") if s):
+            for policy in split_specs(args.schedulers):
                 with log.open("a") as f:
                     f.write(f"{MARK}{policy}\n")
                 report = Path(tmp) / f"{policy}.json"

@@ -28,6 +28,7 @@ from pathlib import Path
 from rollopt.benchmark.runner import BenchRun, bench, engine_config
 from rollopt.benchmark.workloads import get_workload
 from rollopt.engines import run as run_on_engine_clock
+from rollopt.schedulers import split_specs
 from rollopt.engines.sim_calibration import EngineSizes, calibrate_engine, load_cost_file
 from rollopt.errors import ConfigError
 
@@ -128,7 +129,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    schedulers = tuple(s for s in args.schedulers.split(",") if s)
+    schedulers = split_specs(args.schedulers)
     args.out.mkdir(parents=True, exist_ok=True)
 
     cost = args.cost

@@ -57,7 +57,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rollopt.benchmark.report import in_turn_overlap, plot, table, track_report
     from rollopt.benchmark.runner import BenchRun, bench, engine_config, save_report
     from rollopt.benchmark.workloads import get_workload, with_trajectories
-    from rollopt.schedulers import build_scheduler
+    from rollopt.schedulers import build_scheduler, split_specs
     from rollopt.trainer.recipe import parse_options
     from rollopt.trainer.trackers import parse_track
 
@@ -66,7 +66,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
                             group_size=args.group_size, model=args.model)
     if args.trajectories is not None:
         workload = with_trajectories(workload, args.trajectories, tasks_given=args.tasks is not None)
-    schedulers = tuple(s.strip() for s in args.schedulers.split(",") if s.strip())
+    schedulers = split_specs(args.schedulers)
     for name in schedulers:
         build_scheduler(name)  # a typo fails before the model loads
     run = BenchRun(workload, schedulers, repeats=args.repeats, seed=args.seed, trace_dir=args.trace)

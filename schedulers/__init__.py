@@ -1,8 +1,9 @@
 """Scheduling policies (installed as ``rollopt.schedulers``), a registry, and ``build_scheduler``.
 
-``build_scheduler("overlap+prefix+preempt")`` combines policies by name. Each policy is one short class in
-its own module, declares its risk class, and is registered in ``SCHEDULERS``; a user's policy registers with
-``register_scheduler`` and needs no core edits.
+``build_scheduler("overlap+prefix+preempt")`` combines policies by name; ``kv[idle_fill=0,min_decoding=0]`` gives
+one part constructor options (values parsed as TOML: numbers, booleans, quoted strings; a bare word is a string).
+Each policy is one short class in its own module, declares its risk class, and is registered in ``SCHEDULERS``; a
+user's policy registers with ``register_scheduler`` and needs no core edits.
 
 | name      | what it does                                                        | risk |
 |-----------|---------------------------------------------------------------------|------|
@@ -21,6 +22,8 @@ its own module, declares its risk class, and is registered in ``SCHEDULERS``; a 
 from __future__ import annotations
 
 import inspect
+import re
+import tomllib
 from typing import Any, Callable
 
 from rollopt.errors import ConfigError
@@ -59,10 +62,55 @@ for _cls in (SyncPolicy, AsyncPolicy, OverlapPolicy, PrefixPolicy, PreemptPolicy
     register_scheduler(_cls.name, _cls)
 
 
+def _split_outside_brackets(text: str, separator: str) -> list[str]:
+    """``text`` split at each ``separator`` that is not inside ``[...]``, stripped, empty pieces dropped."""
+    pieces, depth, current = [], 0, ""
+    for char in text:
+        depth += (char == "[") - (char == "]")
+        if char == separator and depth == 0:
+            pieces.append(current)
+            current = ""
+        else:
+            current += char
+    return [piece.strip() for piece in [*pieces, current] if piece.strip()]
+
+
+def split_specs(text: str) -> tuple[str, ...]:
+    """Policy specs separated by commas outside brackets: ``"async,kv[fill=0.8,pause=never]"`` gives
+    ``("async", "kv[fill=0.8,pause=never]")`` (``rollopt bench --schedulers``)."""
+    return tuple(_split_outside_brackets(text, ","))
+
+
+_PART = re.compile(r"^([^\[\]+,=\s]+)(?:\[([^\[\]]*)\])?$")
+
+
+def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """``"overlap+kv[idle_fill=0,min_decoding=0]"`` as ``[("overlap", {}), ("kv", {"idle_fill": 0, ...})]``."""
+    parsed = []
+    for text in _split_outside_brackets(spec, "+"):
+        match = _PART.match(text)
+        if match is None:
+            raise ConfigError(f"scheduler {spec!r}: {text!r} is not NAME or NAME[key=value,...] "
+                              "(e.g. kv[idle_fill=0,min_decoding=0])")
+        options: dict[str, Any] = {}
+        for pair in (p.strip() for p in (match.group(2) or "").split(",") if p.strip()):
+            key, sep, raw = pair.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"scheduler {spec!r}: option {pair!r} is not key=value")
+            try:
+                options[key.strip()] = tomllib.loads(f"v = {raw.strip()}")["v"]
+            except tomllib.TOMLDecodeError:
+                options[key.strip()] = raw.strip()
+        parsed.append((match.group(1), options))
+    return parsed
+
+
 def build_scheduler(spec: str, **options: Any) -> Policy:
-    """Build ``"a+b+c"``. ``options`` are passed to the parts whose constructor accepts them
-    (e.g. ``max_carry_age=2`` for ``preempt``)."""
-    names = [n.strip() for n in spec.split("+") if n.strip()]
+    """Build ``"a+b+c"``, each part with the options in its brackets (``"kv[fill=0.8]"``). ``options`` are passed
+    to the parts whose constructor accepts them (e.g. ``max_carry_age=2`` for ``preempt``). An option no part
+    accepts, or a value a part refuses, is a :class:`ConfigError` that names the part."""
+    parsed = parse_spec(spec)
+    names = [n for n, _ in parsed]
     for n in names:  # an installed package's policy, by entry point
         if n not in SCHEDULERS and (factory := entry_point(ENTRY_POINT_GROUP, n)) is not None:
             register_scheduler(n, factory)
@@ -73,11 +121,17 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
         raise ConfigError(f"scheduler {spec!r} names a policy twice")
     parts = []
     used: set[str] = set()
-    for n in names:
+    for n, own in parsed:
         factory = SCHEDULERS[n]
-        accepted = {k: v for k, v in options.items() if k in inspect.signature(factory).parameters}
+        parameters = inspect.signature(factory).parameters
+        if unknown_own := sorted(set(own) - set(parameters)):
+            raise ConfigError(f"scheduler {n!r} has no option {unknown_own}; it takes {sorted(parameters) or 'none'}")
+        accepted = {k: v for k, v in options.items() if k in parameters}
         used |= set(accepted)
-        parts.append(factory(**accepted))
+        try:
+            parts.append(factory(**{**accepted, **own}))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"scheduler {n!r}: {exc}") from None
     if set(options) - used:
         raise ConfigError(f"options {sorted(set(options) - used)} are not accepted by any of {names}")
     if any(p.barrier for p in parts) and any(p.name in ("async", "overlap", "auto") for p in parts):
@@ -90,5 +144,5 @@ def build_scheduler(spec: str, **options: Any) -> Policy:
 __all__ = [
     "ENTRY_POINT_GROUP", "SCHEDULERS", "AsyncPolicy", "AutoPolicy", "CompositePolicy", "KVPolicy", "LeastAttainedServicePolicy", "LongestPredictedFirstPolicy", "OverlapPolicy", "Policy",
     "PrefixPolicy", "PreemptPolicy", "RiskClass", "RolloutView", "Stage", "SyncPolicy", "ToolLatencies", "TrajectoryView",
-    "WarmPolicy", "build_scheduler", "register_scheduler",
+    "WarmPolicy", "build_scheduler", "parse_spec", "register_scheduler", "split_specs",
 ]

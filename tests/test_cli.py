@@ -75,17 +75,19 @@ def test_bench_sizes_a_simulated_run_by_trajectories_hardware_shape_and_servers(
     out = tmp_path / "sim.json"
     assert main(["bench", "--engine", "sim", "--workload", "swe-agent", "-o", "token_scale=0.05", "--trajectories",
                  "16", "--hardware", "H100-SXM", "--model-shape", "qwen2.5-7b", "--servers", "2", "--schedulers",
-                 "async", "--repeats", "1", "--json", str(out), "--quiet"]) == 0
+                 "async,kv[idle_fill=0,min_decoding=0]", "--repeats", "1", "--json", str(out), "--quiet"]) == 0
     import json
 
     report = json.loads(out.read_text())
-    assert report["policies"][0]["returned_trajectories"] == 16
+    assert [p["scheduler"] for p in report["policies"]] == ["async", "kv[idle_fill=0,min_decoding=0]"]
+    assert [p["returned_trajectories"] for p in report["policies"]] == [16, 16]
     assert report["model"] == "qwen2.5-7b (tokenizer: tiny-llama)"
     assert "2 servers" in report["engine_description"]
     assert "roofline:H100-SXM:qwen2.5-7b:tp1 (projection)" in report["engine_description"]
     for argv, message in ((["--trajectories", "12"], "not a positive multiple of swe-agent's group size 8"),
                           (["--trajectories", "16", "--tasks", "2"], "give --trajectories or --tasks, not both"),
-                          (["--hardware", "H200"], "engine 'local' has no option(s) ['hardware']")):
+                          (["--hardware", "H200"], "engine 'local' has no option(s) ['hardware']"),
+                          (["--schedulers", "async,kv[fil=0.9]"], "scheduler 'kv' has no option ['fil']")):
         capsys.readouterr()
         assert main(["bench", "--workload", "swe-agent", "--schedulers", "async", *argv]) == 2
         assert message in capsys.readouterr().err

@@ -4,13 +4,15 @@ scripted engine (scheduling logic) and on the embedded engine (R1 parity, prefix
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rollopt import ChatRenderer, ConfigError, LocalEngine, LocalEngineConfig, RolloutExecutor, SamplingParams
 from rollopt import ScriptedEngine, Status, episode_specs, run_rollout
 from rollopt.environments import CalculatorEnv, SyntheticEnv
 from rollopt.schedulers import (
     SCHEDULERS, Policy, PreemptPolicy, RiskClass, RolloutView, Stage, SyncPolicy, TrajectoryView, build_scheduler,
-    register_scheduler,
+    parse_spec, register_scheduler, split_specs,
 )
 
 
@@ -139,6 +141,52 @@ def test_build_scheduler_combines_by_name():
             build_scheduler(bad)
     with pytest.raises(ConfigError, match="not accepted"):
         build_scheduler("overlap", max_carry_age=2)
+
+
+def test_a_part_takes_its_own_options_in_brackets():
+    """``kv[idle_fill=0,min_decoding=0]``: options for one part, TOML values, the rest of the spec unchanged; an option
+    the part does not take or a value it refuses is a ConfigError naming the part."""
+    combo = build_scheduler("overlap+kv[idle_fill=0,min_decoding=0,pause=never]")
+    kv = combo.parts[1]
+    assert (kv.idle_fill, kv.min_decoding, kv.pause, kv.fill) == (0, 0, "never", 1.0)
+    auto = build_scheduler("auto[idle_fill=0.25,min_decoding=4]").parts[1]
+    assert (auto.idle_fill, auto.min_decoding) == (0.25, 4)
+    assert split_specs("async, auto[idle_fill=0,min_decoding=0],kv[pause=never]") == (
+        "async", "auto[idle_fill=0,min_decoding=0]", "kv[pause=never]")
+    for bad, words in [("kv[foo=1]", "'kv' has no option \\['foo'\\]"), ("kv[idle_fill=3]", "'kv': idle_fill must be"),
+                       ("kv[idle_fill]", "not key=value"), ("kv[[x]]", "not NAME"), ("kv[fill=0.5", "not NAME")]:
+        with pytest.raises(ConfigError, match=words):
+            build_scheduler(bad)
+
+
+_option_value = st.one_of(st.integers(-10**6, 10**6), st.booleans(),
+                          st.from_regex(r"[a-z][a-z_]{0,8}", fullmatch=True).filter(
+                              lambda w: w not in ("true", "false", "inf", "nan")),  # TOML's words are not strings
+                          st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False).map(lambda x: round(x, 3)))
+
+
+def _format(value):
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@given(st.lists(st.tuples(st.sampled_from(sorted(SCHEDULERS)),
+                          st.dictionaries(st.from_regex(r"[a-z][a-z_]{0,10}", fullmatch=True), _option_value,
+                                          max_size=3)), min_size=1, max_size=4))
+def test_specs_split_and_parse_back_to_their_names_and_options(parts):
+    """Whatever the options, a spec list splits at its top-level commas and each part parses back exactly."""
+    specs = [f"{name}[{','.join(f'{k}={_format(v)}' for k, v in opts.items())}]" if opts else name
+             for name, opts in parts]
+    assert split_specs(",".join(specs)) == tuple(specs)
+    assert parse_spec("+".join(specs)) == [(name, opts) for name, opts in parts]
+
+
+@given(st.text(alphabet="akvsyncoverlap+[]=,.0123 _-\"'", max_size=40))
+def test_any_scheduler_spec_builds_or_is_a_config_error(spec):
+    """Hostile specs never raise anything but ConfigError (the CLI turns it into one line naming the fix)."""
+    try:
+        assert isinstance(build_scheduler(spec), Policy)
+    except ConfigError:
+        pass
 
 
 def test_every_shipped_policy_declares_a_risk_class_and_unclassed_ones_are_refused():
