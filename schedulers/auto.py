@@ -13,7 +13,8 @@ single-turn reasoning workloads and on every embedded-engine workload it ties wi
 (see ``kv``: where it loses); on the real engines under KV pressure (64 agents, an 8,192-token pool) it ties with
 ``async`` (README; 6% slower on SGLang before ``kv``'s floor under the decode batch); with 128 agents against 16,384
 tokens it is 1.18× faster than ``async`` on the embedded engine (1.30× as ``auto[idle_fill=0,min_decoding=0]``) and
-**11% slower on the SGLang CPU server**, whose few-row iterations are dear (see ``kv``: where the guards cost).
+**0.89× of ``async`` on the SGLang CPU server** in one run (1.03× in a rerun), whose few-row iterations are dear (see
+``kv``: where the guards cost).
 ``kv``'s ``idle_fill`` and ``min_decoding`` pass through (``auto[idle_fill=0,min_decoding=0]``).
 
 Risk class R1: both parts are R1.

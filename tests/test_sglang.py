@@ -364,6 +364,11 @@ async def test_incremental_streaming_server_gives_the_same_chunks_and_result(sgl
         chunks = [c async for c in eng.stream(request)]
     cumulative = SGLangServer(tiny_dir, extra_args=FP32, log_path=tmp_path / "cumulative.log", incremental_stream=False)
     assert "--incremental-streaming-output" not in cumulative.command()
+    assert cumulative.command().count("--max-total-tokens") == 1  # the CPU default, 8192
+    larger = SGLangServer(tiny_dir, extra_args=[*FP32, "--max-total-tokens", "16384"]).command()
+    at = larger.index("--max-total-tokens")  # a flag given replaces the CPU default instead of following it
+    assert larger.count("--max-total-tokens") == 1 and larger[at + 1] == "16384" and "8192" not in larger
+    assert "--disable-overlap-schedule" in larger and larger[larger.index("--device") + 1] == "cpu"
     async with cumulative:
         async with SGLangEngine(cumulative.base_url) as eng:
             assert not eng.incremental_stream

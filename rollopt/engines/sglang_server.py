@@ -13,7 +13,8 @@ Contract:
   ``sglang==0.5.23`` (:data:`SGLANG_VERSION`).
 * It is started as ``python -m sglang.launch_server --model-path DIR --host 127.0.0.1 --port P`` plus, on
   ``device="cpu"``, ``--device cpu --disable-overlap-schedule --max-total-tokens 8192`` (without the cap SGLang
-  reserves ~15 GB of RAM for KV), ``SGLANG_USE_CPU_ENGINE=1`` and ``PYTHONPATH`` set to the test/CI-only
+  reserves ~15 GB of RAM for KV; a flag in ``extra_args`` replaces its default here, e.g. ``--max-total-tokens
+  16384`` for a larger KV pool), ``SGLANG_USE_CPU_ENGINE=1`` and ``PYTHONPATH`` set to the test/CI-only
   ``sgl_kernel`` stand-in (``rollopt/engines/_sgl_kernel_cpu_standin``) for the server process only.
 * With no ``port`` given it picks a free one below the kernel's ephemeral range (see :func:`free_port`); if the
   server still fails to bind it (the log says so), it is relaunched on a new port, up to ``bind_retries`` times.
@@ -50,6 +51,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STANDIN_PATH = Path(__file__).resolve().parent / "_sgl_kernel_cpu_standin"
 CPU_ARGS = ("--device", "cpu", "--disable-overlap-schedule", "--max-total-tokens", "8192", "--sleep-on-idle")
 INCREMENTAL_STREAM_ARG = "--incremental-streaming-output"
+
+
+def _defaults_not_given(defaults: Sequence[str], given: Sequence[str]) -> list[str]:
+    """The ``--flag [value ...]`` groups of ``defaults`` whose flag ``given`` does not name, as ``--flag`` or
+    ``--flag=value`` (it replaces them)."""
+    named = {arg.split("=", 1)[0] for arg in given if arg.startswith("--")}
+    kept: list[str] = []
+    keep = True
+    for arg in defaults:
+        if arg.startswith("--"):
+            keep = arg not in named
+        if keep:
+            kept.append(arg)
+    return kept
 
 
 def default_sglang_python() -> Path:
@@ -138,7 +153,7 @@ class SGLangServer:
         args = [str(self.python), "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
                 "--host", self.host, "--port", str(self.port)]
         if self.device == "cpu":
-            args += CPU_ARGS
+            args += _defaults_not_given(CPU_ARGS, self.extra_args)
         else:
             args += ["--device", self.device]
         if self.incremental_stream and INCREMENTAL_STREAM_ARG not in self.extra_args:
