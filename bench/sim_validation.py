@@ -28,9 +28,9 @@ from pathlib import Path
 from rollopt.benchmark.runner import BenchRun, bench, engine_config
 from rollopt.benchmark.workloads import get_workload
 from rollopt.engines import run as run_on_engine_clock
-from rollopt.schedulers import split_specs
 from rollopt.engines.sim_calibration import EngineSizes, calibrate_engine, load_cost_file
 from rollopt.errors import ConfigError
+from rollopt.schedulers import split_specs
 
 MAKESPAN_BAR, P99_BAR = 0.15, 0.20
 

@@ -87,8 +87,8 @@ iteration's fixed cost is ~0.8 ms, so they only admit programs whose KV evicts o
 a 16,384-token cache, ``auto`` 1.18× and 1.21× over ``async``, ``auto[idle_fill=0,min_decoding=0]`` 1.30× and 1.35×
 with half the prefill — and on the SGLang server the same options lose (0.81× at 64 agents, 8,192 tokens), and at
 128 agents against 16,384 tokens the default gave 0.89× in one run and 1.03× in the next (``auto``): there 16 rows
-decode at ~60% of a full batch's rate and recompute is cheap. No engine reports those costs to the policy yet, so the defaults stay and the
-options are the user's to set.
+decode at ~60% of a full batch's rate and recompute is cheap. No engine reports those costs to the policy yet, so
+the defaults stay and the options are the user's to set.
 
 Risk class R1: only when requests start and what stays cached change; a request's tokens do not depend on
 either (batch-invariant engine; ``rollopt validate`` checks greedy token parity).
