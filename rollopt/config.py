@@ -14,11 +14,22 @@ import dataclasses
 import functools
 import math
 import re
+import tomllib
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rollopt.errors import BadRequestError, ConfigError
+
+
+def parse_value(text: str) -> Any:
+    """A ``key=value`` option's value: as TOML (``3``, ``0.5``, ``true``, ``"text"``, ``[1, 2]``), else the text
+    itself (a bare word such as ``never``). Recipe overrides, engine and environment options, and scheduler options in
+    brackets all read values this way."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
 
 
 @functools.cache

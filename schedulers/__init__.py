@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import inspect
 import re
-import tomllib
 from typing import Any, Callable
 
+from rollopt.config import parse_value
 from rollopt.errors import ConfigError
 from rollopt.plugins import entry_point
 from rollopt.schedulers.base import (
@@ -85,7 +85,8 @@ _PART = re.compile(r"^([^\[\]+,=\s]+)(?:\[([^\[\]]*)\])?$")
 
 
 def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
-    """``"overlap+kv[idle_fill=0,min_decoding=0]"`` as ``[("overlap", {}), ("kv", {"idle_fill": 0, ...})]``."""
+    """``"overlap+kv[idle_fill=0,min_decoding=0]"`` as ``[("overlap", {}), ("kv", {"idle_fill": 0, ...})]``
+    (values by :func:`rollopt.config.parse_value`; options are split at commas, so a value holds none)."""
     parsed = []
     for text in _split_outside_brackets(spec, "+"):
         match = _PART.match(text)
@@ -97,10 +98,7 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
             key, sep, raw = pair.partition("=")
             if not sep or not key.strip():
                 raise ConfigError(f"scheduler {spec!r}: option {pair!r} is not key=value")
-            try:
-                options[key.strip()] = tomllib.loads(f"v = {raw.strip()}")["v"]
-            except tomllib.TOMLDecodeError:
-                options[key.strip()] = raw.strip()
+            options[key.strip()] = parse_value(raw.strip())
         parsed.append((match.group(1), options))
     return parsed
 

@@ -1,10 +1,11 @@
 """Scheduling policies: pure decision logic on hand-built views (no engine, no clock), then the executor on the
 scripted engine (scheduling logic) and on the embedded engine (R1 parity, prefix sharing, preemption)."""
 
+import inspect
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rollopt import ChatRenderer, ConfigError, LocalEngine, LocalEngineConfig, RolloutExecutor, SamplingParams
@@ -180,9 +181,27 @@ def test_specs_split_and_parse_back_to_their_names_and_options(parts):
     assert parse_spec("+".join(specs)) == [(name, opts) for name, opts in parts]
 
 
-@given(st.text(alphabet="akvsyncoverlap+[]=,.0123 _-\"'", max_size=40))
+_hostile_value = st.sampled_from(["-1", "0", "3", "1e9", "nan", "inf", "-inf", "true", "never", '"x"', "[1, 2]", "",
+                                  "{a = 1}", "0.5"])
+
+
+def _with_own_options(name):
+    """``name`` with up to three of its own constructor options, each given a value it may refuse."""
+    parameters = sorted(inspect.signature(SCHEDULERS[name]).parameters) or ["unknown_option"]
+    return st.lists(st.tuples(st.sampled_from(parameters), _hostile_value), min_size=1, max_size=3).map(
+        lambda options: f"{name}[{','.join(f'{k}={v}' for k, v in options)}]")
+
+
+_option_spec = st.sampled_from(sorted(SCHEDULERS)).flatmap(_with_own_options)
+
+
+@given(st.one_of(_option_spec, _option_spec, st.lists(_option_spec, min_size=2, max_size=3).map("+".join),
+                 st.text(alphabet="akvsyncoverlap+[]=,.0123 _-\"'", max_size=40)))
+@example("kv[fill=3]")
+@example("preempt[max_carry_age=never]")
 def test_any_scheduler_spec_builds_or_is_a_config_error(spec):
-    """Hostile specs never raise anything but ConfigError (the CLI turns it into one line naming the fix)."""
+    """Hostile specs — real option names with out-of-range or mistyped values, or any text — never raise anything
+    but ConfigError (the CLI turns it into one line naming the fix)."""
     try:
         assert isinstance(build_scheduler(spec), Policy)
     except ConfigError:

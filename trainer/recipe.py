@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollopt.config import check_value
+from rollopt.config import check_value, parse_value
 from rollopt.errors import ConfigError
 from rollopt.trainer.losses import LOSS_AGGREGATIONS
 from rollopt.trainer.offpolicy import OffPolicyConfig
@@ -224,11 +224,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not section.key=value (e.g. rollout.scheduler=sync)")
     key, raw = text.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip().split("."), value
+    return key.strip().split("."), parse_value(raw)
 
 
 def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
